@@ -1,0 +1,33 @@
+"""Test setup: 4 virtual XLA:CPU devices in this process, other counts in subprocesses."""
+
+import os
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+os.environ.setdefault("CPU_NUM_DEVICES", "4")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import xladist as xd  # noqa: E402
+
+
+@pytest.fixture
+def strategy():
+  """A MirroredStrategy over the process's 4 XLA:CPU devices."""
+  s = xd.MirroredStrategy()
+  assert s.num_replicas_in_sync == 4
+  return s
+
+
+@pytest.fixture
+def per_replica(strategy):
+  """Builds a PerReplica from a function of the replica id."""
+  def make(fn):
+    return strategy.experimental_distribute_values_from_function(
+        lambda ctx: fn(ctx.replica_id_in_sync_group))
+  return make
+
+
+def local_values(strategy, value):
+  """The per-replica components of `value`, read back to the host."""
+  return [torch.as_tensor(v).detach().cpu() for v in strategy.experimental_local_results(value)]

@@ -1,0 +1,66 @@
+"""1, 2 and 8 replicas, each in one subprocess (the device count is fixed per process)."""
+
+import functools
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+import _models
+
+HERE = pathlib.Path(__file__).parent
+
+
+def _env(num_devices):
+  env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(num_devices))
+  env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), str(HERE), env.get("PYTHONPATH", "")])
+  return env
+
+
+@functools.lru_cache(maxsize=None)
+def _worker_result(num_devices):
+  with tempfile.TemporaryDirectory() as tmp:
+    out = os.path.join(tmp, "result.pt")
+    proc = subprocess.run([sys.executable, str(HERE / "_device_count_worker.py"), out],
+                          env=_env(num_devices), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_tf_merge_call_example(n):
+  result = _worker_result(n)
+  assert result["num_replicas"] == n
+  total = sum(3.0 + r for r in range(n))
+  assert result["merge"] == [total + 3.0 + r for r in range(n)]
+  # With one replica run returns plain values, as TF's regroup does.
+  assert result["merge_type"] == ("Tensor" if n == 1 else "PerReplica")
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_training_matches_single_device(n, kind):
+  r = _worker_result(n)[kind]
+  assert r["xs"][0].shape[0] == n * _models.PER_REPLICA_BATCH
+  ref_losses, ref_state = _models.train_reference(kind, r["state"], r["xs"], r["ys"])
+  assert _models.max_relative_error(r["losses"], ref_losses) < 1e-5
+  assert _models.max_relative_error(r["final"], ref_state) < 1e-5
+
+
+def test_torch_xla_used_without_spmd_first_is_a_clear_error():
+  code = ("import torch, torch_xla\n"
+          "t = torch.ones(2, device=torch_xla.device())\n"
+          "import xladist as xd\n"
+          "try:\n"
+          "  xd.MirroredStrategy()\n"
+          "except RuntimeError as e:\n"
+          "  print('ERROR:', e)\n")
+  proc = subprocess.run([sys.executable, "-c", code], env=_env(2), capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "ERROR: xladist runs every strategy as one SPMD program, but torch_xla was already used in its non-SPMD mode" in proc.stdout
+  assert "Create the xladist strategy before touching any XLA device" in proc.stdout

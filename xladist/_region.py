@@ -1,0 +1,126 @@
+"""One `strategy.run` call: the manual region every replica is traced in.
+
+Entering converts each argument and each strategy variable to its local view;
+leaving converts every output (and the variables) back to global views:
+
+* a per-replica value is a global tensor of shape (num_replicas, *shape) split
+  over the replica axis; inside the region each replica sees its own row,
+  squeezed to `shape`;
+* a mirrored value (variables, plain tensors, `Mirrored`) is replicated; inside
+  the region each replica sees the whole tensor;
+* an output of shape `shape` leaves as (num_replicas, *shape), split over the
+  replica axis, and becomes a `PerReplica`.
+"""
+
+import torch
+
+from xladist import _runtime, collectives
+from xladist.values import DistributedValues, Mirrored, PerReplica
+
+HOST_READ_MESSAGE = (
+    "strategy.run: the step function read a traced tensor's value on the host "
+    "({detail}). Inside strategy.run all replicas are traced into one XLA program, "
+    "so no value is known while the function runs; this includes Python control "
+    "flow such as `if replica_id_in_sync_group == 0:` (replica_id_in_sync_group is "
+    "a traced tensor, as in TF's TPUStrategy), `.item()`, `bool(t)`, `print(t)` and "
+    "`.cpu()`. Use tensor operations instead (torch.where, masks, "
+    "ReplicaContext.all_reduce), or return the value from the step function and "
+    "read it after strategy.run returns.")
+
+
+class Region:
+  """The manual region of one traced step over all replicas."""
+
+  def __init__(self, strategy):
+    self.strategy = strategy
+    self.num_replicas = strategy.num_replicas_in_sync
+    self.active = True
+    self._replica_id = None
+
+  # -- replica id ---------------------------------------------------------------
+  @property
+  def replica_id(self):
+    """This replica's index as a traced int32 scalar (from a replica-split iota)."""
+    if self._replica_id is None:
+      iota = self.strategy.extended._replica_iota()
+      self._replica_id = _runtime.to_local(iota).reshape(())
+    return self._replica_id
+
+  def require_active(self, api):
+    if not self.active:
+      raise RuntimeError(
+          f"{api}: this value belongs to a strategy.run call that has returned; "
+          "values made inside merge_call cannot be used after the step.")
+
+  # -- entering -------------------------------------------------------------------
+  @staticmethod
+  def local_replicated(t):
+    """A mirrored global tensor -> the whole tensor on each replica."""
+    if t.device.type != "xla":
+      t = _runtime.place_replicated(t)
+    else:
+      _runtime.ensure_sharded(t)
+    return _runtime.to_local(t)
+
+  @staticmethod
+  def global_replicated(t):
+    """A local tensor that is identical on every replica -> a replicated global."""
+    return _runtime.to_global(t, _runtime.replicated_sharding(t.dim()), t.shape)
+
+  def enter_value(self, value):
+    if isinstance(value, PerReplica):
+      if value._local is not None:
+        raise ValueError(
+            "strategy.run: a PerReplica made inside merge_call cannot be passed "
+            "to another strategy.run.")
+      if value.num_replicas != self.num_replicas:
+        raise ValueError(
+            f"strategy.run: a PerReplica with {value.num_replicas} components was "
+            f"passed to a strategy with {self.num_replicas} replicas.")
+      stacked = value._stacked_global(self.num_replicas)
+      return _runtime.to_local(stacked).squeeze(0)
+    if isinstance(value, Mirrored):
+      return self.enter_value(value.primary)
+    if isinstance(value, torch.Tensor):
+      return self.local_replicated(value)
+    return value
+
+  # -- leaving --------------------------------------------------------------------
+  def exit_value(self, value):
+    if isinstance(value, torch.Tensor) and value.device.type == "xla":
+      local = value.detach().unsqueeze(0)
+      full = torch.Size((self.num_replicas,) + tuple(value.shape))
+      stacked = _runtime.to_global(local, _runtime.replica_sharding(local.dim()), full)
+      if self.num_replicas == 1:
+        return stacked.squeeze(0)
+      return PerReplica._from_stacked(stacked, self.num_replicas)
+    if isinstance(value, DistributedValues):
+      raise TypeError(
+          "strategy.run: the step function returned a "
+          f"{type(value).__name__}; inside the step return plain tensors (each "
+          "replica's own value) and they come back as a PerReplica.")
+    return value
+
+  # -- cross-replica views (merge_call) --------------------------------------------
+  def all_reduce(self, op, tensors):
+    return collectives.all_reduce(op, tensors, self.num_replicas)
+
+  def gather_stacked(self, local):
+    return collectives.gather_stacked(local, self.replica_id, self.num_replicas)
+
+  def local_of(self, value):
+    """The local (per-replica) tensor for a value merge_fn returned."""
+    if isinstance(value, PerReplica):
+      if value._local is not None:
+        value._local[1].require_active("merge_call")
+        return value._local[0]
+      comps = [c if isinstance(c, torch.Tensor) else torch.as_tensor(c)
+               for c in value.values]
+      comps = [c if c.device.type == "xla" else c.to(_runtime.device()) for c in comps]
+      return collectives.select_own(torch.stack(comps), self.replica_id)
+    if isinstance(value, Mirrored):
+      return value.primary
+    return value
+
+  def close(self):
+    self.active = False

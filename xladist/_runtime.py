@@ -1,0 +1,276 @@
+"""The device layer: device discovery, SPMD initialisation, meshes and manual regions.
+
+Everything xladist asks of torch_xla goes through this module, so that a second
+backend (see docs/architecture.md, "GPU fallback") has one place to fit beside it.
+
+Facts this module relies on (torch 2.9.0 + torch_xla 2.9.0, checked by spikes
+recorded in docs/architecture.md):
+
+* `xr.use_spmd()` is process-wide and must come before any tensor touches an XLA
+  device; once torch_xla has placed a tensor in its non-SPMD mode the "SPMD config"
+  is locked.
+* A manual region is entered per tensor with `_spmd_full_to_shard_shape` on a tensor
+  that carries a sharding, and left with `_mark_manual_sharding` +
+  `_spmd_shard_to_full_shape`. The Python wrappers `xs.enable_manual_sharding` /
+  `xs.disable_manual_sharding` do the same with more per-call work; the step's
+  tracing cost is dominated by these calls, so the raw bindings are used with
+  cached `OpSharding` objects.
+* A host read of a traced tensor inside a manual region aborts the process; with
+  `_set_allow_execution(False)` it raises a RuntimeError instead, which `run`
+  turns into a message that says what went wrong.
+"""
+
+import contextlib
+import functools
+import glob
+import os
+import threading
+
+import numpy as np
+
+REPLICA_AXIS = "replica"
+DEFAULT_CPU_DEVICES = 4
+_GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips are PCI devices of Google's vendor id
+
+_lock = threading.Lock()
+_state = None  # the _Runtime once initialised
+
+
+class _Runtime:
+  """What xladist learnt about the process when it initialised torch_xla."""
+
+  def __init__(self, device_type, num_devices):
+    import torch_xla
+    self.device_type = device_type
+    self.num_devices = num_devices
+    self.device = torch_xla.device()  # the one SPMD virtual device, "xla:0"
+
+
+def _detect_device_type():
+  """TPU when chips are attached, else XLA:CPU; an explicit PJRT_DEVICE wins."""
+  if os.environ.get("PJRT_DEVICE"):
+    return os.environ["PJRT_DEVICE"].upper()
+  # Looked up without importing torch_xla: its import picks (and logs) a default
+  # device of its own when PJRT_DEVICE is unset.
+  for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+    try:
+      with open(vendor) as f:
+        if f.read().strip() == _GOOGLE_PCI_VENDOR:
+          return "TPU"
+    except OSError:
+      continue
+  return "CPU"
+
+
+def initialize():
+  """Initialises torch_xla in SPMD mode once per process and returns the runtime.
+
+  Idempotent. Chooses TPU when TPU chips are attached, else XLA:CPU with
+  `CPU_NUM_DEVICES` virtual devices (default 4); `PJRT_DEVICE` set by the user is
+  respected.
+
+  Raises:
+    RuntimeError: torch_xla was already used in its non-SPMD mode in this process.
+  """
+  global _state
+  if _state is not None:
+    return _state
+  with _lock:
+    if _state is not None:
+      return _state
+    device_type = _detect_device_type()
+    os.environ["PJRT_DEVICE"] = device_type
+    if device_type == "CPU":
+      os.environ.setdefault("CPU_NUM_DEVICES", str(DEFAULT_CPU_DEVICES))
+    import torch_xla
+    import torch_xla.runtime as xr
+    if not xr.is_spmd() and torch_xla._XLAC._xla_get_spmd_config_is_locked():
+      raise RuntimeError(
+          "xladist runs every strategy as one SPMD program, but torch_xla was "
+          "already used in its non-SPMD mode in this process (a tensor was placed "
+          "on an XLA device, or xmp.spawn started per-device threads, before the "
+          "first xladist strategy was created). Create the xladist strategy before "
+          "touching any XLA device, or call torch_xla.runtime.use_spmd() at the "
+          "start of the program.")
+    xr.use_spmd()
+    _state = _Runtime(device_type, xr.global_runtime_device_count())
+    return _state
+
+
+def num_devices():
+  return initialize().num_devices
+
+
+def device():
+  """The torch device all SPMD tensors live on (torch_xla's virtual device)."""
+  return initialize().device
+
+
+@functools.lru_cache(maxsize=None)
+def mesh():
+  """A 1-D mesh over all devices whose only axis is the replica axis.
+
+  torch_xla 2.9 rejects a mesh over a subset of the devices, so the mesh always
+  covers all of them.
+  """
+  import torch_xla.distributed.spmd as xs
+  n = num_devices()
+  return xs.Mesh(np.arange(n), (n,), (REPLICA_AXIS,))
+
+
+def replica_groups():
+  """The one replica group (global device ids) for collectives over all replicas."""
+  return [list(range(num_devices()))]
+
+
+@functools.lru_cache(maxsize=None)
+def replicated_sharding(ndim):
+  return mesh().get_op_sharding((None,) * ndim)
+
+
+@functools.lru_cache(maxsize=None)
+def replica_sharding(ndim):
+  """Dim 0 split over the replica axis, the other dims whole."""
+  return mesh().get_op_sharding((0,) + (None,) * (ndim - 1))
+
+
+@functools.lru_cache(maxsize=None)
+def _replica_sharding_spec(ndim):
+  import torch_xla.distributed.spmd as xs
+  return xs.ShardingSpec(mesh(), (0,) + (None,) * (ndim - 1))
+
+
+@functools.lru_cache(maxsize=None)
+def _manual_sharding():
+  import torch_xla
+  import torch_xla.distributed.spmd as xs
+  return torch_xla._XLAC.OpSharding([], [], [], xs.ShardingType.MANUAL)
+
+
+def _xlac():
+  import torch_xla
+  return torch_xla._XLAC
+
+
+def place_replicated(tensor):
+  """Copies `tensor` to the XLA device, replicated on every device of the mesh."""
+  t = tensor.detach()
+  if t.device.type != "xla":
+    t = t.to(device())
+  _xlac()._xla_mark_sharding(t, replicated_sharding(t.dim()))
+  return t
+
+
+def ensure_sharded(tensor):
+  """Marks an XLA tensor that carries no sharding as replicated (a no-op otherwise)."""
+  x = _xlac()
+  if x._get_xla_sharding_type(tensor) is None:
+    x._xla_mark_sharding(tensor, replicated_sharding(tensor.dim()))
+  return tensor
+
+
+def place_split(tensor):
+  """Puts a host tensor of shape (R, ...) on the mesh, row r on replica r.
+
+  Each row is transferred straight to its device (no replicate-then-reshard).
+  """
+  import torch_xla
+  if tensor.device.type == "xla":
+    t = tensor
+    _xlac()._xla_mark_sharding(t, replica_sharding(t.dim()))
+    return t
+  t = tensor.detach().contiguous()
+  spec = _replica_sharding_spec(t.dim()).xla_spec(t)
+  return torch_xla._XLAC._xla_tensors_from_aten([t], [str(device())], [spec])[0]
+
+
+def to_local(global_tensor):
+  """Enters the manual region: each device gets its own shard of `global_tensor`.
+
+  `global_tensor` must already carry a sharding (see place_* and mark_*).
+  """
+  return _xlac()._spmd_full_to_shard_shape(global_tensor)
+
+
+def mark(tensor, op_sharding):
+  _xlac()._xla_mark_sharding(tensor, op_sharding)
+
+
+def to_global(local_tensor, op_sharding, full_shape):
+  """Leaves the manual region: `local_tensor` becomes one shard of a global tensor."""
+  x = _xlac()
+  x._mark_manual_sharding(local_tensor, _manual_sharding())
+  return x._spmd_shard_to_full_shape(local_tensor, op_sharding, full_shape,
+                                     local_tensor.dtype)
+
+
+def spmd_all_reduce(op_name, tensor, scale=1.0):
+  """An HLO all-reduce over all replicas with global device ids (manual regions only).
+
+  `op_name` is "sum", "min" or "max"; the result is multiplied by `scale`.
+  """
+  return _xlac()._xla_spmd_all_reduce(op_name, tensor, scale, replica_groups())
+
+
+class HostReadInStep(RuntimeError):
+  """torch_xla refused to execute a graph while a step was being traced."""
+
+
+@contextlib.contextmanager
+def no_execution():
+  """Turns an attempted host read of a traced tensor into HostReadInStep."""
+  x = _xlac()
+  saved = x._get_allow_execution()
+  x._set_allow_execution(False)
+  try:
+    yield
+  except RuntimeError as e:
+    if "Unexpected execution" in str(e):
+      raise HostReadInStep(_user_frame(e.__traceback__)) from None
+    raise
+  finally:
+    x._set_allow_execution(saved)
+
+
+def _user_frame(tb):
+  """'file:line: code' of the innermost frame outside torch, torch_xla and xladist."""
+  import traceback
+  skip = (os.sep + "torch" + os.sep, os.sep + "torch_xla" + os.sep,
+          os.sep + "xladist" + os.sep, os.sep + "contextlib.py")
+  for frame in reversed(traceback.extract_tb(tb)):
+    if not any(s in frame.filename for s in skip):
+      return f"at {frame.filename}:{frame.lineno}: {frame.line}"
+  return "in a torch operation"
+
+
+def sync(tensors=None):
+  """Cuts the pending graph and starts its execution (asynchronously)."""
+  import torch_xla
+  if tensors is None:
+    torch_xla.sync()
+  else:
+    _xlac()._xla_sync_multi(list(tensors), devices=[], wait=False)
+
+
+def wait():
+  import torch_xla.core.xla_model as xm
+  xm.wait_device_ops()
+
+
+def compile_count():
+  """Number of XLA compilations so far in this process (torch_xla's metrics)."""
+  import torch_xla.debug.metrics as met
+  data = met.metric_data("CompileTime")
+  return 0 if data is None else data[0]
+
+
+def execute_count():
+  """Number of XLA executions so far in this process (torch_xla's metrics)."""
+  import torch_xla.debug.metrics as met
+  data = met.metric_data("ExecuteReplicatedTime") or met.metric_data("ExecuteTime")
+  return 0 if data is None else data[0]
+
+
+def hlo_text(tensors):
+  """The (pre-partitioning) HLO of the pending graph that computes `tensors`."""
+  return _xlac()._get_xla_tensors_hlo(list(tensors))

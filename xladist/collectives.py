@@ -1,0 +1,129 @@
+"""Cross-replica collectives inside a step, lowered to XLA HLO collectives.
+
+These run inside the manual region of `strategy.run`, where every tensor is one
+replica's local value. Each becomes an HLO `all-reduce` over the replica group
+with global device ids (the only kind that works in an SPMD program, which has
+one replica and N partitions).
+
+* `all_reduce` packs the tensors of one call into one flat buffer per dtype, so a
+  nested structure of many small tensors costs few collectives.
+* `all_gather` has no all-gather lowering in torch_xla 2.9's SPMD bindings: each
+  replica places its value in its own row of a zero buffer (a select) and the
+  rows are summed with one all-reduce. x + 0 is exact for every value, inf and
+  NaN included (XLA:CPU flushes subnormals to zero, as in any computation).
+
+SUM and MEAN are differentiable (the gradient of a sum all-reduce is a sum
+all-reduce of the gradients), and so is all_gather.
+"""
+
+import torch
+
+from xladist import _runtime
+from xladist.reduce_util import ReduceOp
+
+_HLO_OP = {ReduceOp.SUM: "sum", ReduceOp.MEAN: "sum", ReduceOp.MIN: "min",
+           ReduceOp.MAX: "max"}
+
+
+def _reduce_flat(op, flat, num_replicas):
+  """One all-reduce of a 1-D buffer."""
+  if op is ReduceOp.MEAN and flat.is_floating_point():
+    return _runtime.spmd_all_reduce("sum", flat, 1.0 / num_replicas)
+  if flat.dtype == torch.bool:
+    out = _runtime.spmd_all_reduce(_HLO_OP[op], flat.to(torch.int32))
+    return out.bool() if op is not ReduceOp.SUM else out
+  out = _runtime.spmd_all_reduce(_HLO_OP[op], flat)
+  if op is ReduceOp.MEAN:  # integers: the floor of the mean, dtype kept
+    out = torch.div(out, num_replicas, rounding_mode="floor")
+  return out
+
+
+class _PackedAllReduce(torch.autograd.Function):
+  """All-reduce of several tensors of one dtype through one packed buffer."""
+
+  @staticmethod
+  def forward(ctx, op, num_replicas, *tensors):
+    ctx.op, ctx.num_replicas = op, num_replicas
+    return tuple(_packed(op, num_replicas, tensors))
+
+  @staticmethod
+  def backward(ctx, *grads):
+    if ctx.op not in (ReduceOp.SUM, ReduceOp.MEAN):
+      raise RuntimeError(
+          f"ReplicaContext.all_reduce with {ctx.op} is not differentiable; only "
+          "ReduceOp.SUM and ReduceOp.MEAN are.")
+    grads = [torch.zeros((), device=g.device, dtype=g.dtype) if g is None else g
+             for g in grads]
+    return (None, None) + tuple(_packed(ctx.op, ctx.num_replicas, grads))
+
+
+def _packed(op, num_replicas, tensors):
+  if len(tensors) == 1:
+    t = tensors[0]
+    return [_reduce_flat(op, t.reshape(-1), num_replicas).view(t.shape)]
+  flat = torch.cat([t.reshape(-1) for t in tensors])
+  flat = _reduce_flat(op, flat, num_replicas)
+  return [piece.view(t.shape)
+          for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+
+
+def all_reduce(op, tensors, num_replicas):
+  """All-reduces a list of local tensors; returns the list of results.
+
+  Tensors are grouped by dtype and each group is packed into one collective.
+  """
+  by_dtype = {}
+  for i, t in enumerate(tensors):
+    by_dtype.setdefault(t.dtype, []).append(i)
+  out = [None] * len(tensors)
+  for indices in by_dtype.values():
+    group = [tensors[i] for i in indices]
+    if any(t.requires_grad for t in group):
+      reduced = _PackedAllReduce.apply(op, num_replicas, *group)
+    else:
+      reduced = _packed(op, num_replicas, group)
+    for i, r in zip(indices, reduced):
+      out[i] = r
+  return out
+
+
+def _one_hot_rows(local, replica_id, num_replicas):
+  """A (num_replicas, *local.shape) buffer with `local` in row replica_id, zeros elsewhere."""
+  rows = torch.arange(num_replicas, device=local.device, dtype=replica_id.dtype)
+  mask = (rows == replica_id).view((num_replicas,) + (1,) * local.dim())
+  expanded = local.unsqueeze(0).expand((num_replicas,) + tuple(local.shape))
+  return torch.where(mask, expanded, torch.zeros_like(expanded))
+
+
+class _GatherStacked(torch.autograd.Function):
+
+  @staticmethod
+  def forward(ctx, local, replica_id, num_replicas):
+    ctx.save_for_backward(replica_id)
+    ctx.num_replicas = num_replicas
+    return _gather_stacked(local, replica_id, num_replicas)
+
+  @staticmethod
+  def backward(ctx, grad):
+    (replica_id,) = ctx.saved_tensors
+    total = _reduce_flat(ReduceOp.SUM, grad.reshape(-1), ctx.num_replicas).view(grad.shape)
+    return total.index_select(0, replica_id.reshape(1)).squeeze(0), None, None
+
+
+def _gather_stacked(local, replica_id, num_replicas):
+  src = local.to(torch.int32) if local.dtype == torch.bool else local
+  rows = _one_hot_rows(src, replica_id, num_replicas)
+  out = _runtime.spmd_all_reduce("sum", rows.reshape(-1)).view(rows.shape)
+  return out.bool() if local.dtype == torch.bool else out
+
+
+def gather_stacked(local, replica_id, num_replicas):
+  """Every replica's value, stacked on a new leading dim (same on every replica)."""
+  if local.requires_grad:
+    return _GatherStacked.apply(local, replica_id, num_replicas)
+  return _gather_stacked(local, replica_id, num_replicas)
+
+
+def select_own(stacked, replica_id):
+  """Row `replica_id` of a (num_replicas, ...) tensor that every replica holds."""
+  return stacked.index_select(0, replica_id.reshape(1).to(torch.int64)).squeeze(0)

@@ -1,0 +1,176 @@
+"""`ReplicaContext`: what the step function sees of the other replicas."""
+
+import torch
+
+from xladist import context
+from xladist.reduce_util import as_reduce_op
+from xladist.strategy import _concat_stacked, flatten, unflatten
+from xladist.values import DistributedValues, PerReplica
+
+
+class ReplicaContext:
+  """The replica context of one `strategy.run` (or the default one outside any scope).
+
+  Inside `run`, every replica is traced at once, so `replica_id_in_sync_group`
+  is a traced int32 tensor (as in TF's TPUStrategy), not a Python int.
+  """
+
+  def __init__(self, strategy, region=None):
+    self._strategy = strategy
+    self._region = region
+
+  def __repr__(self):
+    return f"ReplicaContext(strategy={self._strategy!r})"
+
+  @property
+  def strategy(self):
+    return self._strategy
+
+  @property
+  def num_replicas_in_sync(self):
+    return self._strategy.num_replicas_in_sync
+
+  @property
+  def replica_id_in_sync_group(self):
+    """This replica's index in 0..num_replicas_in_sync-1, as a traced int32 tensor.
+
+    Using it in Python control flow (`if ctx.replica_id_in_sync_group == 0:`)
+    makes `strategy.run` raise a RuntimeError that says so; use tensor ops
+    (`torch.where`) instead.
+    """
+    if self._region is None:
+      return torch.tensor(0, dtype=torch.int32)
+    return self._region.replica_id
+
+  tower_id = replica_id_in_sync_group
+
+  @property
+  def devices(self):
+    """The devices this replica's computation runs on (a 1-tuple)."""
+    return (self._strategy.extended._current_device(),)
+
+  def _require_current(self, api):
+    if context.get_replica_context() is not self:
+      raise RuntimeError(
+          f"ReplicaContext.{api} must be called in this replica context: inside the "
+          "step function of the strategy.run that made it, outside merge_fn.")
+
+  def merge_call(self, merge_fn, args=(), kwargs=None):
+    """Runs `merge_fn(strategy, *args, **kwargs)` once, in cross-replica context.
+
+    Tensors in `args`/`kwargs` reach `merge_fn` as `PerReplica` values (strategy
+    variables as themselves). What `merge_fn` returns goes back to every
+    replica: a `PerReplica` gives each replica its own component, anything else
+    is the same on every replica. A `merge_fn` that only reduces
+    (`strategy.reduce`, `extended.reduce_to`, `extended.batch_reduce_to`) costs
+    one all-reduce; reading `PerReplica.values` costs an all-gather.
+
+    TF's example, with replica ids 0 and 1 and `three = 3.`:
+
+      >>> def merge_fn(strategy, v):
+      ...   return strategy.reduce("sum", v, axis=None)
+      >>> def fn(three):
+      ...   ctx = xd.get_replica_context()
+      ...   v = three + ctx.replica_id_in_sync_group     # 3., 4.
+      ...   s = ctx.merge_call(merge_fn, args=(v,))      # 7. on both
+      ...   return s + v                                 # 10., 11.
+
+    Raises:
+      TypeError: `merge_fn` is not callable.
+      RuntimeError: not called from this replica context.
+    """
+    if not callable(merge_fn):
+      raise TypeError(
+          f"merge_call: merge_fn must be callable, got {type(merge_fn).__name__}.")
+    self._require_current("merge_call")
+    kwargs = dict(kwargs or {})
+    region = self._region
+    if region is not None:
+      store = self._strategy.extended._store
+      leaves, spec = flatten((tuple(args), kwargs))
+      leaves = [self._as_per_replica(x, region, store) for x in leaves]
+      args, kwargs = unflatten(spec, leaves)
+    mode = context._Mode(self._strategy, cross_replica=self._strategy)
+    context.push(mode)
+    try:
+      result = merge_fn(self._strategy, *args, **kwargs)
+    finally:
+      context.pop(mode)
+    if region is None:
+      return result
+    leaves, spec = flatten(result)
+    return unflatten(spec, [region.local_of(x) for x in leaves])
+
+  @staticmethod
+  def _as_per_replica(x, region, store):
+    if not isinstance(x, torch.Tensor) or store.is_variable(x):
+      return x
+    if x.device.type != "xla":
+      x = region.local_replicated(x)
+    return PerReplica._from_local(x, region)
+
+  def all_reduce(self, reduce_op, value, options=None):
+    """All-reduces a nested structure of tensors across replicas.
+
+    Tensors of one dtype are packed into one XLA all-reduce. SUM and MEAN are
+    differentiable. With two replicas holding {"a": 1., "b": [2., 3.]} and
+    {"a": 4., "b": [5., 6.]}, `all_reduce("sum", value)` gives
+    {"a": 5., "b": [7., 9.]} on both.
+
+    Raises:
+      TypeError: a leaf is not a tensor or number.
+      RuntimeError: not called from this replica context.
+    """
+    reduce_op = as_reduce_op(reduce_op, "ReplicaContext.all_reduce")
+    self._require_current("all_reduce")
+    leaves, spec = flatten(value)
+    tensors = [_as_tensor(x, "all_reduce") for x in leaves]
+    if self._region is None:
+      return unflatten(spec, tensors)
+    tensors = [t if t.device.type == "xla" else self._region.local_replicated(t)
+               for t in tensors]
+    return unflatten(spec, self._region.all_reduce(reduce_op, tensors))
+
+  def all_gather(self, value, axis, options=None):
+    """Concatenates every replica's value (nested structure) along `axis`.
+
+    With two replicas holding [1, 2] and [3, 4], `all_gather(v, axis=0)` gives
+    [1, 2, 3, 4] on both. Differentiable.
+
+    Raises:
+      ValueError: a value is a scalar or `axis` is out of range.
+      RuntimeError: not called from this replica context.
+    """
+    self._require_current("all_gather")
+    leaves, spec = flatten(value)
+    tensors = [_as_tensor(x, "all_gather") for x in leaves]
+    if self._region is None:
+      out = [_concat_stacked(t.unsqueeze(0), axis, "ReplicaContext.all_gather")
+             for t in tensors]
+      return unflatten(spec, out)
+    out = []
+    for t in tensors:
+      if t.device.type != "xla":
+        t = self._region.local_replicated(t)
+      if t.dim() == 0:
+        _concat_stacked(t.unsqueeze(0), axis, "ReplicaContext.all_gather")  # raises
+      out.append(_concat_stacked(self._region.gather_stacked(t), axis,
+                                 "ReplicaContext.all_gather"))
+    return unflatten(spec, out)
+
+
+def _as_tensor(x, api):
+  if isinstance(x, torch.Tensor):
+    return x
+  if isinstance(x, DistributedValues):
+    raise TypeError(
+        f"ReplicaContext.{api}: got a {type(x).__name__}; inside the step each "
+        "replica passes its own tensor.")
+  if isinstance(x, (int, float, bool)):
+    return torch.tensor(x)
+  raise TypeError(
+      f"ReplicaContext.{api}: expected tensors (in nested tuples, lists or dicts), "
+      f"got {type(x).__name__}.")
+
+
+TowerContext = ReplicaContext

@@ -1,0 +1,101 @@
+"""OneDeviceStrategy, and the single-replica machinery it shares with the default strategy."""
+
+import torch
+
+from xladist import _runtime, context
+from xladist._variables import VariableStore
+from xladist.replica_context import ReplicaContext
+from xladist.strategy import Strategy, StrategyExtended, flatten, unflatten
+from xladist.values import Mirrored, PerReplica
+
+
+class SingleReplicaExtended(StrategyExtended):
+  """One replica: `run` calls the function directly, nothing is traced specially."""
+
+  def __init__(self, strategy, device):
+    super().__init__(strategy)
+    self._device = device  # None: leave tensors where they are (default strategy)
+    self._device_names = (str(device) if device is not None else "cpu",)
+    self._store = VariableStore(self._place) if device is not None else None
+
+  def _place(self, tensor):
+    if tensor.device == self._device:
+      return tensor
+    return tensor.detach().to(self._device)
+
+  def _enter_scope(self):
+    if self._store is not None:
+      self._store.enter_scope()
+
+  def _exit_scope(self):
+    if self._store is not None:
+      self._store.exit_scope()
+
+  def _current_device(self):
+    return self._device if self._device is not None else torch.device("cpu")
+
+  def _broadcast(self, tensor):
+    return self._place(tensor) if self._device is not None else tensor
+
+  def _enter_value(self, value):
+    if isinstance(value, PerReplica):
+      (value,) = value.values
+    elif isinstance(value, Mirrored):
+      value = value.primary
+    if isinstance(value, torch.Tensor) and self._device is not None:
+      return self._place(value)
+    return value
+
+  def _call_for_each_replica(self, fn, args, kwargs):
+    if self._store is not None:
+      self._store.place_pending()
+    leaves, spec = flatten((args, kwargs))
+    args, kwargs = unflatten(spec, [self._enter_value(x) for x in leaves])
+    strategy = self._strategy_ref
+    mode = context._Mode(strategy, replica_context=ReplicaContext(strategy))
+    context.push(mode)
+    try:
+      return fn(*args, **kwargs)
+    finally:
+      context.pop(mode)
+
+
+class OneDeviceStrategy(Strategy):
+  """Runs one replica on one device.
+
+  Args:
+    device: "xla" / "xla:0" / a torch.device of type xla (the default, None) or
+      "cpu" (plain PyTorch on the host). In a process with several XLA devices
+      the SPMD program is the same on all of them (its work is replicated).
+
+  Raises:
+    TypeError / ValueError: `device` is not an XLA or CPU device.
+  """
+
+  def __init__(self, device=None):
+    super().__init__(SingleReplicaExtended(self, _parse_device(device)))
+
+
+def _parse_device(device):
+  if device is None:
+    return _runtime.device()
+  if not isinstance(device, (str, torch.device)):
+    raise TypeError(
+        "OneDeviceStrategy(device): device must be a string or torch.device, got "
+        f"{type(device).__name__}.")
+  try:
+    d = torch.device(device)
+  except RuntimeError:
+    d = None
+  if d is not None and d.type == "cpu":
+    return torch.device("cpu")
+  if d is not None and d.type == "xla":
+    n = _runtime.num_devices()
+    if d.index is not None and not 0 <= d.index < n:
+      raise ValueError(
+          f"OneDeviceStrategy(device={device!r}): this process has {n} XLA "
+          f"devices, xla:0 .. xla:{n - 1}.")
+    return _runtime.device()
+  raise ValueError(
+      f"OneDeviceStrategy(device={device!r}): xladist runs on XLA devices; pass "
+      "None or 'xla:0' for the XLA device, or 'cpu' for plain PyTorch on the host.")

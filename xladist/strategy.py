@@ -1,0 +1,496 @@
+"""`Strategy` and `StrategyExtended`: the public API and its shared machinery.
+
+Public methods check the context and their arguments, then call one underscore
+hook on `StrategyExtended`; each strategy overrides hooks only.
+"""
+
+import optree
+import torch
+
+from xladist import context
+from xladist.reduce_util import ReduceOp, as_reduce_op
+from xladist.values import DistributedValues, Mirrored, PerReplica
+
+
+def flatten(structure):
+  """Leaves of a nested structure; distributed values and None are leaves."""
+  return optree.tree_flatten(
+      structure, is_leaf=lambda x: isinstance(x, DistributedValues), none_is_leaf=True)
+
+
+def unflatten(treespec, leaves):
+  return optree.tree_unflatten(treespec, leaves)
+
+
+def _require_cross_replica(strategy, api, fix):
+  mode = context.current_mode()
+  if mode.strategy is not strategy and context.has_strategy():
+    raise RuntimeError(
+        f"{api} was called on {strategy!r} inside the scope of a different "
+        f"strategy, {mode.strategy!r}. Mixing strategies is not supported; use "
+        "the strategy whose scope is active.")
+  if context.in_step(strategy):
+    raise RuntimeError(
+        f"{api} requires being in cross-replica context, but it was called in a "
+        f"replica context (inside strategy.run). {fix}")
+
+
+def _check_axis(axis, rank, api):
+  if isinstance(axis, bool) or not isinstance(axis, int):
+    raise TypeError(f"{api}: axis must be an int or None, got {type(axis).__name__}.")
+  if not -rank <= axis < rank:
+    raise ValueError(
+        f"{api}: axis {axis} is out of range for a per-replica value of rank {rank}.")
+  return axis % rank
+
+
+class _Scope:
+  """The context manager returned by `strategy.scope()`."""
+
+  def __init__(self, strategy):
+    self._strategy = strategy
+    self._mode = None
+
+  def __enter__(self):
+    s = self._strategy
+    current = context.current_mode()
+    if current.strategy is not s and context.has_strategy():
+      raise RuntimeError(
+          f"Mixing different strategies: tried to enter the scope of {s!r} inside "
+          f"the scope of {current.strategy!r}. Leave the first scope before "
+          "entering another strategy's scope.")
+    if context.in_step(s):
+      # Inside run of the same strategy: stay in the replica context.
+      self._mode = context._Mode(s, replica_context=current.replica_context)
+    else:
+      self._mode = context._Mode(s, cross_replica=s)
+    s.extended._enter_scope()
+    context.push(self._mode)
+    return s
+
+  def __exit__(self, *exc):
+    context.pop(self._mode)
+    self._strategy.extended._exit_scope()
+    return False
+
+
+class Strategy:
+  """A way to run one training step on several replicas.
+
+  Make the model and optimizer under `scope()`, then call `run(step_fn, args)`
+  once per global step. Every replica is traced into ONE XLA program; every
+  cross-replica operation is an XLA collective inside it.
+  """
+
+  def __init__(self, extended):
+    self._extended = extended
+
+  def __repr__(self):
+    return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync})"
+
+  @property
+  def extended(self):
+    """The StrategyExtended holding the advanced API."""
+    return self._extended
+
+  @property
+  def num_replicas_in_sync(self):
+    """How many replicas take part in each step."""
+    return self._extended._num_replicas_in_sync
+
+  def scope(self):
+    """A context manager: the strategy becomes current, in cross-replica context.
+
+    Modules (their parameters and buffers) made inside become the strategy's
+    variables: placed on its devices, mirrored on every replica.
+
+    Raises:
+      RuntimeError: a different strategy's scope is already active.
+    """
+    return _Scope(self)
+
+  def run(self, fn, args=(), kwargs=None, options=None):
+    """Runs `fn` once on every replica, traced into one XLA program.
+
+    `args` and `kwargs` may hold `PerReplica` values (each replica gets its own
+    component), `Mirrored` values and tensors (each replica gets the same value)
+    and any Python value (passed through), in nested tuples, lists, dicts and
+    namedtuples. Tensors `fn` returns come back as `PerReplica` (plain tensors
+    with one replica); Python values come back unchanged.
+
+    Example, two replicas:
+
+      >>> def step(x):
+      ...   ctx = xd.get_replica_context()
+      ...   return x * 10, ctx.all_reduce("sum", x)
+      >>> x = strategy.experimental_distribute_values_from_function(
+      ...     lambda c: torch.tensor(float(c.replica_id_in_sync_group + 1)))
+      >>> strategy.run(step, (x,))   # replica 0: (10., 3.)  replica 1: (20., 3.)
+
+    Raises:
+      TypeError: `fn` is not callable, or `args`/`kwargs` have the wrong type.
+      RuntimeError: called inside `run` (a replica context), or `fn` read a
+        traced value on the host (e.g. Python control flow on a tensor).
+    """
+    if not callable(fn):
+      raise TypeError(f"strategy.run: fn must be callable, got {type(fn).__name__}.")
+    if not isinstance(args, (tuple, list)):
+      raise TypeError(
+          "strategy.run: args must be a tuple or list of arguments, got "
+          f"{type(args).__name__}; pass a single argument as args=(x,).")
+    if kwargs is not None and not isinstance(kwargs, dict):
+      raise TypeError(f"strategy.run: kwargs must be a dict, got {type(kwargs).__name__}.")
+    if options is not None:
+      from xladist.input_options import RunOptions
+      if not isinstance(options, RunOptions):
+        raise TypeError(
+            f"strategy.run: options must be an xladist.RunOptions, got "
+            f"{type(options).__name__}.")
+    _require_cross_replica(
+        self, "strategy.run",
+        "Call the function directly inside a step, or use "
+        "get_replica_context().merge_call() to reach cross-replica context.")
+    with self.scope():
+      return self._extended._call_for_each_replica(fn, tuple(args), dict(kwargs or {}))
+
+  def reduce(self, reduce_op, value, axis=None, destinations=None):
+    """Reduces `value` across replicas (and along `axis` inside each replica).
+
+    Returns a plain tensor. With two replicas holding [1., 2.] and [3., 4.]:
+    `reduce("sum", v, axis=None)` gives [4., 6.]; `reduce("sum", v, axis=0)`
+    gives 10.; `reduce("mean", v, axis=0)` gives 2.5 (the mean over all
+    elements of all replicas).
+
+    The legacy form `reduce("sum", value, destinations)` (tf.contrib) returns the
+    reduced value on `destinations` (a Mirrored for several devices).
+
+    Raises:
+      RuntimeError: called in a replica context (use ReplicaContext.all_reduce).
+      ValueError: `axis` out of range, or a non-distributed value with SUM.
+    """
+    if axis is not None and not isinstance(axis, int):
+      destinations, axis = axis, None  # legacy reduce(method, value, destinations)
+    reduce_op = as_reduce_op(reduce_op, "strategy.reduce")
+    _require_cross_replica(self, "strategy.reduce",
+                           "Use get_replica_context().all_reduce() inside a step.")
+    if destinations is not None:
+      return self._extended.reduce_to(reduce_op, value, destinations)
+    return self._extended._reduce(reduce_op, value, axis)
+
+  def gather(self, value, axis):
+    """Concatenates the replicas' components of `value` along `axis`.
+
+    With two replicas holding [[1, 2]] and [[3, 4]], `gather(v, axis=0)` gives
+    [[1, 2], [3, 4]]. A Mirrored or plain tensor counts once per replica.
+
+    Raises:
+      RuntimeError: called in a replica context (use ReplicaContext.all_gather).
+    """
+    _require_cross_replica(self, "strategy.gather",
+                           "Use get_replica_context().all_gather() inside a step.")
+    return self._extended._gather(value, axis)
+
+  def experimental_local_results(self, value):
+    """The tuple of per-replica components of `value` (a 1-tuple for plain values)."""
+    if isinstance(value, DistributedValues):
+      return tuple(value.values)
+    return (value,)
+
+  def experimental_distribute_values_from_function(self, value_fn):
+    """A PerReplica whose component r is `value_fn(ValueContext(r, N))`."""
+    if not callable(value_fn):
+      raise TypeError(
+          "experimental_distribute_values_from_function: value_fn must be callable, "
+          f"got {type(value_fn).__name__}.")
+    from xladist.input_options import ValueContext
+    n = self.num_replicas_in_sync
+    values = [value_fn(ValueContext(r, n)) for r in range(n)]
+    if n == 1:
+      return values[0]
+    leaves = [flatten(v) for v in values]
+    spec = leaves[0][1]
+    for other in leaves[1:]:
+      if other[1] != spec:
+        raise ValueError(
+            "experimental_distribute_values_from_function: value_fn returned "
+            f"differently structured values for different replicas ({spec} vs "
+            f"{other[1]}).")
+    return unflatten(spec, [_group_leaf([lv[0][i] for lv in leaves])
+                            for i in range(len(leaves[0][0]))])
+
+  # -- legacy tf.contrib.distribute ("tower") names and the Scala API ---------
+  def call_for_each_tower(self, fn, *args, **kwargs):
+    """Legacy name of `extended.call_for_each_replica(fn, args, kwargs)`."""
+    return self._extended.call_for_each_replica(fn, args, kwargs)
+
+  def for_each_tower(self, fn, values):
+    """Scala API: calls `fn(values)` per replica, each with its own components."""
+    return self._extended.call_for_each_replica(fn, (values,))
+
+  def unwrap(self, value):
+    """Legacy name of `experimental_local_results`."""
+    return self.experimental_local_results(value)
+
+  @property
+  def num_towers(self):
+    return self.num_replicas_in_sync
+
+  @property
+  def is_single_tower(self):
+    return self.num_replicas_in_sync == 1
+
+  @property
+  def worker_devices(self):
+    return self._extended.worker_devices
+
+  @property
+  def parameter_devices(self):
+    return self._extended.parameter_devices
+
+  def broadcast(self, tensor, destinations=None, devices=None):
+    """Legacy/Scala: `tensor` mirrored on `destinations` (default: every replica)."""
+    dest = destinations if destinations is not None else devices
+    return self._extended.broadcast_to(tensor, dest if dest is not None
+                                       else self._extended.worker_devices)
+
+  def batch_reduce(self, method_string, value_destination_pairs):
+    """Legacy name of `extended.batch_reduce_to` taking "sum"/"mean"."""
+    return self._extended.batch_reduce_to(method_string, value_destination_pairs)
+
+  def fetch(self, val, destination="cpu", fn=lambda x: x):
+    """Legacy: `fn(val)` copied to `destination` (one copy of a mirrored value)."""
+    _require_cross_replica(self, "strategy.fetch", "Return the value from the step.")
+    if isinstance(val, PerReplica):
+      raise ValueError(
+          "strategy.fetch needs a mirrored value, got a PerReplica; reduce it "
+          "first with strategy.reduce(...).")
+    if isinstance(val, Mirrored):
+      val = val.primary
+    out = fn(val)
+    return out.to(destination) if isinstance(out, torch.Tensor) else out
+
+  def group(self, value):
+    """Legacy: runs the pending computation of every component of `value`.
+
+    Like `tf.group` in eager mode it returns None; the values are then computed
+    (asynchronously) without being copied to the host.
+    """
+    _require_cross_replica(self, "strategy.group", "Return the value from the step.")
+    leaves = [t for v in flatten(value)[0] for t in self.experimental_local_results(v)
+              if isinstance(t, torch.Tensor) and t.device.type == "xla"]
+    if leaves:
+      from xladist import _runtime
+      _runtime.sync(leaves)
+    return None
+
+
+class StrategyExtended:
+  """The advanced API of a strategy; `strategy.extended`."""
+
+  _device_names = ("cpu",)
+
+  def __init__(self, strategy):
+    self._strategy_ref = strategy
+    self.experimental_gradient_aggregation = ReduceOp.MEAN
+
+  @property
+  def _num_replicas_in_sync(self):
+    return len(self._device_names)
+
+  @property
+  def worker_devices(self):
+    """The devices the replicas run on, one per replica."""
+    return tuple(self._device_names)
+
+  @property
+  def parameter_devices(self):
+    """The devices mirrored variables live on (all replica devices)."""
+    return tuple(self._device_names)
+
+  @property
+  def experimental_gradient_aggregation(self):
+    """How `optimizer.step()` in a replica context combines gradients.
+
+    `ReduceOp.MEAN` (default): with per-replica mean losses this reproduces
+    single-device training on the global batch. `ReduceOp.SUM`: for losses
+    already divided by the global batch size (TF's convention). `None`: no
+    aggregation (the step function all-reduces gradients itself).
+    """
+    return self._gradient_aggregation
+
+  @experimental_gradient_aggregation.setter
+  def experimental_gradient_aggregation(self, op):
+    self._gradient_aggregation = None if op is None else as_reduce_op(
+        op, "experimental_gradient_aggregation")
+
+  # -- public methods -----------------------------------------------------------
+  def call_for_each_replica(self, fn, args=(), kwargs=None):
+    """Runs `fn(*args, **kwargs)` in every replica (what `strategy.run` does)."""
+    return self._strategy_ref.run(fn, args, kwargs)
+
+  def reduce_to(self, reduce_op, value, destinations, options=None):
+    """Reduces `value` across replicas onto `destinations`.
+
+    Returns a Mirrored when `destinations` names several devices (or is a
+    distributed value), else a tensor.
+    """
+    reduce_op = as_reduce_op(reduce_op, "reduce_to")
+    _check_destinations(destinations, "reduce_to")
+    _require_cross_replica(self._strategy_ref, "reduce_to",
+                           "Use get_replica_context().merge_call() to get there.")
+    return self._to_destinations(self._reduce(reduce_op, value, None), destinations)
+
+  def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
+    """Reduces several values at once (few collectives); returns a list."""
+    reduce_op = as_reduce_op(reduce_op, "batch_reduce_to")
+    if (not isinstance(value_destination_pairs, (list, tuple)) or not all(
+        isinstance(p, (list, tuple)) and len(p) == 2 for p in value_destination_pairs)):
+      raise ValueError(
+          "batch_reduce_to: value_destination_pairs must be a list or tuple of "
+          "(value, destinations) pairs, got "
+          f"{type(value_destination_pairs).__name__}.")
+    for _, d in value_destination_pairs:
+      _check_destinations(d, "batch_reduce_to")
+    _require_cross_replica(self._strategy_ref, "batch_reduce_to",
+                           "Use get_replica_context().merge_call() to get there.")
+    reduced = self._batch_reduce(reduce_op, [v for v, _ in value_destination_pairs])
+    return [self._to_destinations(r, d)
+            for r, (_, d) in zip(reduced, value_destination_pairs)]
+
+  def broadcast_to(self, tensor, destinations):
+    """`tensor` mirrored on `destinations`."""
+    _check_destinations(destinations, "broadcast_to")
+    _require_cross_replica(self._strategy_ref, "broadcast_to",
+                           "Use get_replica_context().merge_call() to get there.")
+    if isinstance(tensor, DistributedValues):
+      raise TypeError(
+          f"broadcast_to: expected a tensor, got a {type(tensor).__name__}; "
+          "reduce it first.")
+    return self._to_destinations(self._broadcast(tensor), destinations)
+
+  def _to_destinations(self, value, destinations):
+    many = isinstance(destinations, DistributedValues) or (
+        isinstance(destinations, (list, tuple)) and len(destinations) > 1)
+    if many:
+      return Mirrored._from_primary(value, self._num_replicas_in_sync)
+    if isinstance(destinations, (list, tuple)):
+      destinations = destinations[0]
+    if isinstance(destinations, torch.Tensor):
+      destinations = destinations.device
+    if (str(destinations).startswith("cpu") and isinstance(value, torch.Tensor)
+        and context.get_replica_context() is None and not self._in_region()):
+      return value.cpu()
+    return value
+
+  def _in_region(self):
+    return False
+
+  # -- hooks: a strategy overrides these ------------------------------------------
+  def _enter_scope(self):
+    pass
+
+  def _exit_scope(self):
+    pass
+
+  def _current_device(self):
+    return torch.device("cpu")
+
+  def _broadcast(self, tensor):
+    return tensor
+
+  def _call_for_each_replica(self, fn, args, kwargs):
+    raise NotImplementedError  # every strategy overrides it
+
+  def _reduce(self, reduce_op, value, axis):
+    """The reduced value of `value` in the global view (no region active)."""
+    n = self._num_replicas_in_sync
+    if isinstance(value, PerReplica):
+      stacked = value._stacked if value._stacked is not None else torch.stack(
+          [torch.as_tensor(c) for c in value.values])
+      return _reduce_stacked(reduce_op, stacked, axis, "strategy.reduce")
+    if isinstance(value, Mirrored):
+      value = value.primary
+      scale = n
+    else:
+      scale = None
+    value = torch.as_tensor(value)
+    out = _reduce_stacked(reduce_op, value.unsqueeze(0), axis, "strategy.reduce")
+    if reduce_op is ReduceOp.SUM and n > 1:
+      if scale is None:
+        raise ValueError(
+            f"strategy.reduce: a non-distributed value (a {type(value).__name__}) "
+            f"cannot be reduced with ReduceOp.SUM over {n} replicas; pass the "
+            "PerReplica that strategy.run returned, or use ReduceOp.MEAN.")
+      out = out * scale
+    return out
+
+  def _batch_reduce(self, reduce_op, values):
+    return [self._reduce(reduce_op, v, None) for v in values]
+
+  def _gather(self, value, axis):
+    n = self._num_replicas_in_sync
+    if isinstance(value, PerReplica):
+      stacked = value._stacked if value._stacked is not None else torch.stack(
+          [torch.as_tensor(c) for c in value.values])
+    else:
+      if isinstance(value, Mirrored):
+        value = value.primary
+      value = torch.as_tensor(value)
+      stacked = value.unsqueeze(0).expand((n,) + tuple(value.shape))
+    return _concat_stacked(stacked, axis, "strategy.gather")
+
+
+def _group_leaf(components):
+  """One leaf per replica -> a PerReplica, or the plain value if it is not a
+  tensor and the same for every replica (e.g. a Python constant)."""
+  first = components[0]
+  if not isinstance(first, torch.Tensor) and not isinstance(first, DistributedValues):
+    try:
+      if all(c == first for c in components[1:]):
+        return first
+    except (TypeError, ValueError, RuntimeError):
+      pass
+  return PerReplica(components)
+
+
+def _reduce_stacked(reduce_op, stacked, axis, api):
+  """Reduces a (num_replicas, *shape) tensor over replicas (and `axis` of shape)."""
+  dims = [0]
+  if axis is not None:
+    dims.append(_check_axis(axis, stacked.dim() - 1, api) + 1)
+  if reduce_op is ReduceOp.SUM:
+    return stacked.sum(dim=dims)
+  if reduce_op is ReduceOp.MEAN:
+    if not stacked.is_floating_point():
+      stacked = stacked.float()
+    return stacked.mean(dim=dims)
+  if reduce_op is ReduceOp.MIN:
+    return stacked.amin(dim=dims)
+  return stacked.amax(dim=dims)
+
+
+def _concat_stacked(stacked, axis, api):
+  """(num_replicas, *shape) -> the components concatenated along `axis`."""
+  if stacked.dim() < 2:
+    raise ValueError(
+        f"{api}: per-replica values must have rank >= 1 to be concatenated, got "
+        "scalars; reshape them to shape (1,) first.")
+  axis = _check_axis(axis, stacked.dim() - 1, api)
+  moved = stacked.movedim(0, axis)
+  shape = list(moved.shape)
+  return moved.reshape(shape[:axis] + [shape[axis] * shape[axis + 1]] + shape[axis + 2:])
+
+
+def _check_destinations(destinations, api):
+  ok = (str, torch.device, torch.Tensor, DistributedValues)
+  if isinstance(destinations, ok):
+    if isinstance(destinations, str) and not destinations:
+      raise ValueError(f"{api}: destinations must not be an empty string.")
+    return
+  if isinstance(destinations, (list, tuple)) and destinations and all(
+      isinstance(d, ok) for d in destinations):
+    return
+  raise ValueError(
+      f"{api}: destinations must be a device (string or torch.device), a tensor, "
+      f"a distributed value, or a non-empty list of them; got {destinations!r}.")
+
