@@ -17,6 +17,7 @@ HERE = pathlib.Path(__file__).parent
 
 def _env(num_devices):
   env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(num_devices))
+  env.pop("XLA_USE_SPMD", None)  # set by this process's xr.use_spmd(); not inherited
   env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), str(HERE), env.get("PYTHONPATH", "")])
   return env
 
