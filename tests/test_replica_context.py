@@ -282,3 +282,34 @@ def test_tower_aliases(strategy):
   out = strategy.run(fn)
   assert seen == {"same": True, "tower": True}
   assert [int(v) for v in local_values(strategy, out)] == [0, 1, 2, 3]
+
+
+def test_min_max_all_reduce_is_not_differentiable(strategy, per_replica):
+  x = per_replica(lambda r: torch.tensor([float(r)]))
+
+  def fn(v):
+    v = v.clone().requires_grad_(True)
+    xd.get_replica_context().all_reduce("max", v).sum().backward()
+  with pytest.raises(RuntimeError, match=re.escape(
+      "ReplicaContext.all_reduce with ReduceOp.MAX is not differentiable; only ReduceOp.SUM and ReduceOp.MEAN are")):
+    strategy.run(fn, args=(x,))
+
+
+def test_all_reduce_of_a_distributed_value_inside_the_step_is_rejected(strategy):
+  m = xd.Mirrored([torch.ones(1)] * 4)
+  with pytest.raises(TypeError, match=re.escape("all_reduce: got a Mirrored; inside the step each replica passes its own tensor")):
+    strategy.run(lambda: xd.get_replica_context().all_reduce("sum", m))
+
+
+def test_all_gather_is_differentiable(strategy, per_replica):
+  x = per_replica(lambda r: torch.tensor([float(r + 1), 1.0]))
+
+  def fn(v):
+    v = v.clone().requires_grad_(True)
+    g = xd.get_replica_context().all_gather(v, 0)           # (8,) on every replica
+    weights = torch.arange(8, dtype=torch.float32, device=g.device)
+    (g * weights).sum().backward()
+    return v.grad
+  # Replica r's elements sit at 2r, 2r+1; all 4 replicas' losses use them.
+  grads = local_values(strategy, strategy.run(fn, args=(x,)))
+  assert [g.tolist() for g in grads] == [[4.0 * 2 * r, 4.0 * (2 * r + 1)] for r in range(4)]

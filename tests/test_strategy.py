@@ -268,3 +268,53 @@ def test_mirrored_device_list_forms():
     xd.MirroredStrategy(devices="xla:0")
   with pytest.raises(NotImplementedError, match=re.escape("Pass cross_device_ops=None")):
     xd.MirroredStrategy(cross_device_ops=object())
+
+
+def test_placement_failure_names_the_cause_and_is_retried(strategy):
+  with pytest.raises(RuntimeError, match=re.escape(
+      "could not move Linear.weight (shape (2, 2)) to the strategy's devices: another reference")):
+    with strategy.scope():
+      lin = torch.nn.Linear(2, 2)
+      after = torch.nn.Linear(2, 2)
+      view = lin.weight[0]  # noqa: F841  (the reference that blocks the move)
+  assert lin.weight.device.type == "cpu"
+  del view
+  strategy.run(lambda: None)  # placement is retried before each run
+  assert lin.weight.device.type == "xla" and after.weight.device.type == "xla"
+
+
+def test_merge_call_values_cannot_outlive_the_step(strategy):
+  kept = {}
+
+  def merge_fn(s, v):
+    kept["v"] = v
+    return s.reduce("sum", v, axis=None)
+  strategy.run(lambda: xd.get_replica_context().merge_call(merge_fn, args=(torch.ones(()),)))
+  message = "belongs to a strategy.run call that has returned"
+  with pytest.raises(RuntimeError, match=re.escape(message)):
+    strategy.reduce("sum", kept["v"], axis=None)
+  with pytest.raises(RuntimeError, match=re.escape(message)):
+    kept["v"].values
+  with pytest.raises(ValueError, match=re.escape("a PerReplica made inside merge_call cannot be passed to another strategy.run")):
+    strategy.run(lambda x: x, args=(kept["v"],))
+
+
+def test_axis_type_and_structure_errors(strategy, v):
+  with pytest.raises(TypeError, match=re.escape("strategy.gather: axis must be an int or None, got str")):
+    strategy.gather(v, axis="0")
+  with pytest.raises(ValueError, match=re.escape("value_fn returned differently structured values for different replicas")):
+    strategy.experimental_distribute_values_from_function(
+        lambda ctx: (torch.ones(1),) * (1 + ctx.replica_id_in_sync_group % 2))
+  with pytest.raises(RuntimeError, match=re.escape("strategy.group requires being in cross-replica context")):
+    strategy.run(lambda: strategy.group(torch.ones(1)))
+
+
+def test_contexts_exited_out_of_order_raise(strategy):
+  outer, inner = strategy.scope(), strategy.scope()
+  outer.__enter__()
+  inner.__enter__()
+  with pytest.raises(RuntimeError, match=re.escape("xladist contexts were exited out of order")):
+    outer.__exit__(None, None, None)
+  inner.__exit__(None, None, None)
+  outer.__exit__(None, None, None)
+  assert not xd.has_strategy()

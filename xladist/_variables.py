@@ -35,7 +35,9 @@ class VariableStore:
   """Tracks the modules and optimizers whose state belongs to one strategy."""
 
   def __init__(self, place_fn):
-    self._place_fn = place_fn  # host tensor -> tensor on the strategy's device(s)
+    # tensor -> a new tensor on the strategy's device(s), or None when it is
+    # already there
+    self._place_fn = place_fn
     self._modules = []  # weakrefs, in registration order (stable graph order)
     self._module_ids = set()
     self._pending = []
@@ -95,20 +97,24 @@ class VariableStore:
 
   # -- placement --------------------------------------------------------------
   def place_pending(self):
-    pending, self._pending = self._pending, []
-    for ref in pending:
-      module = ref()
-      if module is None:
-        continue
-      for tensors in (module._parameters, module._buffers):
-        for name, t in tensors.items():
-          if t is None or isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
-            continue
-          self._place(module, name, t)
+    """Moves the recorded modules' tensors to the strategy's devices.
+
+    A module whose move fails stays pending (with the ones after it), so the
+    error can be fixed and the placement retried.
+    """
+    while self._pending:
+      module = self._pending[0]()
+      if module is not None:
+        for tensors in (module._parameters, module._buffers):
+          for name, t in tensors.items():
+            if t is None or isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
+              continue
+            self._place(module, name, t)
+      self._pending.pop(0)
 
   def _place(self, module, name, t):
     placed = self._place_fn(t)
-    if placed is t:
+    if placed is None:  # already where it belongs
       return
     if isinstance(t, torch.nn.Parameter):
       placed = torch.nn.Parameter(placed, requires_grad=t.requires_grad)
@@ -117,9 +123,11 @@ class VariableStore:
     except RuntimeError as e:
       raise RuntimeError(
           f"xladist could not move {type(module).__name__}.{name} (shape "
-          f"{tuple(t.shape)}) to the strategy's devices: {e}. Create the module "
-          "under strategy.scope() and do not run it before the scope is left "
-          "(its tensors must not be referenced by an autograd graph).") from None
+          f"{tuple(t.shape)}) to the strategy's devices: another reference to "
+          "the tensor is alive (a view such as `w = model.weight[0]`, or a "
+          "tensor kept from running the module inside the scope). Drop such "
+          "references before the scope is left; the move is retried then and "
+          f"before each strategy.run. (torch: {e})") from None
 
   def is_variable(self, tensor):
     for module in self.modules():

@@ -20,7 +20,7 @@ class SPMDExtended(StrategyExtended):
     super().__init__(strategy)
     n = _runtime.num_devices()
     self._device_names = tuple(f"xla:{i}" for i in range(n))
-    self._store = VariableStore(_runtime.place_replicated)
+    self._store = VariableStore(_place_variable)
     self._region = None
     self._iota = None
 
@@ -158,6 +158,13 @@ class SPMDExtended(StrategyExtended):
       region.require_active("strategy.gather")
       return _concat_stacked(region.gather_stacked(local), axis, "strategy.gather")
     return super()._gather(value, axis)
+
+
+def _place_variable(tensor):
+  if tensor.device.type == "xla":
+    _runtime.ensure_sharded(tensor)  # made on the XLA device: mark it replicated
+    return None
+  return _runtime.place_replicated(tensor)
 
 
 _LOCAL_REDUCE = {

@@ -16,7 +16,10 @@ class SingleReplicaExtended(StrategyExtended):
     super().__init__(strategy)
     self._device = device  # None: leave tensors where they are (default strategy)
     self._device_names = (str(device) if device is not None else "cpu",)
-    self._store = VariableStore(self._place) if device is not None else None
+    self._store = VariableStore(self._place_variable) if device is not None else None
+
+  def _place_variable(self, tensor):
+    return None if tensor.device == self._device else self._place(tensor)
 
   def _place(self, tensor):
     if tensor.device == self._device:
