@@ -60,10 +60,11 @@ def test_merge_fn_is_in_cross_replica_context(strategy):
 def test_mixing_strategies_raises(strategy):
   other = xd.MirroredStrategy()
   with strategy.scope():
-    with pytest.raises(RuntimeError, match=re.escape("Mixing different strategies")):
+    with pytest.raises(RuntimeError, match=re.escape("Mixing different strategies: tried to enter the scope of MirroredStrategy")):
       with other.scope():
         pass
-    with pytest.raises(RuntimeError, match=re.escape("Mixing strategies is not supported")):
+    with pytest.raises(RuntimeError, match=re.escape(
+        "Mixing different strategies: strategy.run was called on MirroredStrategy(num_replicas_in_sync=4) inside the scope of")):
       other.run(lambda: None)
     with pytest.raises(RuntimeError, match=re.escape("Mixing different strategies")):
       with xd.OneDeviceStrategy().scope():

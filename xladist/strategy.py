@@ -22,13 +22,16 @@ def unflatten(treespec, leaves):
   return optree.tree_unflatten(treespec, leaves)
 
 
-def _require_cross_replica(strategy, api, fix):
-  mode = context.current_mode()
-  if mode.strategy is not strategy and context.has_strategy():
+def _require_no_other_strategy(strategy, what):
+  current = context.get_strategy()
+  if current is not strategy and context.has_strategy():
     raise RuntimeError(
-        f"{api} was called on {strategy!r} inside the scope of a different "
-        f"strategy, {mode.strategy!r}. Mixing strategies is not supported; use "
-        "the strategy whose scope is active.")
+        f"Mixing different strategies: {what} {strategy!r} inside the scope of "
+        f"{current!r}. Leave the first strategy's scope, or use that strategy.")
+
+
+def _require_cross_replica(strategy, api, fix):
+  _require_no_other_strategy(strategy, f"{api} was called on")
   if context.in_step(strategy):
     raise RuntimeError(
         f"{api} requires being in cross-replica context, but it was called in a "
@@ -53,15 +56,10 @@ class _Scope:
 
   def __enter__(self):
     s = self._strategy
-    current = context.current_mode()
-    if current.strategy is not s and context.has_strategy():
-      raise RuntimeError(
-          f"Mixing different strategies: tried to enter the scope of {s!r} inside "
-          f"the scope of {current.strategy!r}. Leave the first scope before "
-          "entering another strategy's scope.")
+    _require_no_other_strategy(s, "tried to enter the scope of")
     if context.in_step(s):
       # Inside run of the same strategy: stay in the replica context.
-      self._mode = context._Mode(s, replica_context=current.replica_context)
+      self._mode = context._Mode(s, replica_context=context.get_replica_context())
     else:
       self._mode = context._Mode(s, cross_replica=s)
     s.extended._enter_scope()

@@ -19,7 +19,7 @@ import torch
 class DistributedValues:
   """A value with one component per replica; `.values` is the tuple of components."""
 
-  __slots__ = ()
+  __slots__ = ("_n",)
 
   @property
   def values(self):
@@ -27,7 +27,7 @@ class DistributedValues:
 
   @property
   def num_replicas(self):
-    return len(self.values)
+    return self._n
 
   def __repr__(self):
     parts = ",\n".join(f"  {i}: {v!r}" for i, v in enumerate(self.values))
@@ -42,7 +42,7 @@ class PerReplica(DistributedValues):
   `strategy.run`.
   """
 
-  __slots__ = ("_values", "_stacked", "_local", "_n")
+  __slots__ = ("_values", "_stacked", "_local")
 
   def __init__(self, values):
     if isinstance(values, DistributedValues) or not isinstance(values, (tuple, list)):
@@ -69,10 +69,6 @@ class PerReplica(DistributedValues):
     self = cls.__new__(cls)
     self._values, self._stacked, self._local, self._n = None, None, (local, region), region.num_replicas
     return self
-
-  @property
-  def num_replicas(self):
-    return self._n
 
   @property
   def values(self):
@@ -114,7 +110,7 @@ class PerReplica(DistributedValues):
 class Mirrored(DistributedValues):
   """Holds a value that is identical on every replica."""
 
-  __slots__ = ("_primary", "_n")
+  __slots__ = ("_primary",)
 
   def __init__(self, values):
     if isinstance(values, DistributedValues) or not isinstance(values, (tuple, list)):
@@ -131,10 +127,6 @@ class Mirrored(DistributedValues):
     self = cls.__new__(cls)
     self._primary, self._n = primary, num_replicas
     return self
-
-  @property
-  def num_replicas(self):
-    return self._n
 
   @property
   def values(self):
