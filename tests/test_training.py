@@ -159,3 +159,73 @@ def test_adam_state_is_created_in_the_step_and_training_matches(strategy):
   exp_avg = opt.state[model[0].weight]["exp_avg"]
   assert exp_avg.shape == model[0].weight.shape
   assert _models.max_relative_error(exp_avg.cpu(), ropt.state[ref[0].weight]["exp_avg"]) < 1e-4
+
+
+def _encoder():
+  torch.manual_seed(3)
+  layer = torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0,
+                                           batch_first=True)
+  return torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+
+
+def test_transformer_encoder_with_copied_layers_trains_like_pytorch(strategy):
+  # nn.TransformerEncoder deep-copies its layer: the copies register no
+  # parameter under the scope, only the submodule.
+  ref = _encoder()
+  with strategy.scope():
+    model = _encoder()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+  assert {p.device.type for p in model.parameters()} == {"xla"}
+  ropt = torch.optim.SGD(ref.parameters(), lr=0.05)
+  g = torch.Generator().manual_seed(0)
+  xs = [torch.randn(8, 5, 8, generator=g) for _ in range(3)]
+
+  def step(x):
+    loss = model(x).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+  for x in xs:
+    strategy.run(step, args=(_models.split(strategy, x),))
+    _runtime.sync()
+    loss = ref(x).pow(2).mean()
+    ropt.zero_grad()
+    loss.backward()
+    ropt.step()
+  got = {k: v.cpu() for k, v in model.state_dict().items()}
+  assert _models.max_relative_error(got, ref.state_dict()) < 1e-5
+
+
+def test_gradients_are_released_after_a_step_and_kept_for_accumulation(strategy):
+  state = _models.initial_state("mlp")
+  xs, ys = _models.make_data("mlp", 4, steps=2)
+  model, _ = _models.build_xladist(strategy, "mlp", state)
+  opt = torch.optim.SGD(model.parameters(), lr=_models.LR)
+
+  def accumulate(x, y):  # backward only: gradients accumulate across run calls
+    (F.cross_entropy(model(x), y) / 2).backward()
+
+  def accumulate_and_step(x, y):
+    accumulate(x, y)
+    opt.step()
+    return model[0].weight.grad * 1.0  # the aggregated gradient, read inside
+
+  strategy.run(accumulate, args=(_models.split(strategy, xs[0]), _models.split(strategy, ys[0])))
+  assert all(p.grad is not None for p in model.parameters())
+  grad = strategy.run(accumulate_and_step,
+                      args=(_models.split(strategy, xs[1]), _models.split(strategy, ys[1])))
+  # Consumed by optimizer.step(): released, as zero_grad(set_to_none=True) would.
+  assert all(p.grad is None for p in model.parameters())
+
+  ref = _models.make_mlp()
+  ref.load_state_dict(state)
+  for x, y in zip(xs, ys):
+    (F.cross_entropy(ref(x), y) / 2).backward()
+  with torch.no_grad():
+    expected_grad = ref[0].weight.grad.clone()
+    for p in ref.parameters():
+      p -= _models.LR * p.grad
+  for g in strategy.experimental_local_results(grad):
+    assert _models.max_relative_error(g.cpu(), expected_grad) < 1e-5
+  got = {k: v.cpu() for k, v in model.state_dict().items()}
+  assert _models.max_relative_error(got, ref.state_dict()) < 1e-5

@@ -15,6 +15,7 @@ leaving converts every output (and the variables) back to global views:
 import torch
 
 from xladist import _runtime, collectives
+from xladist._variables import Step
 from xladist.values import DistributedValues, Mirrored, PerReplica
 
 HOST_READ_MESSAGE = (
@@ -35,6 +36,7 @@ class Region:
     self.strategy = strategy
     self.num_replicas = strategy.num_replicas_in_sync
     self.active = True
+    self.step = Step()
     self._replica_id = None
 
   # -- replica id ---------------------------------------------------------------

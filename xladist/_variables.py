@@ -19,16 +19,7 @@ import weakref
 import torch
 from torch.nn.modules import module as torch_module
 
-
-_STATE = object()  # _Slot key: an optimizer's whole state
-
-
-class _Slot:
-  """A saved (tensor, attribute, value) to put back if a step fails while tracing."""
-  __slots__ = ("owner", "key", "value")
-
-  def __init__(self, owner, key, value):
-    self.owner, self.key, self.value = owner, key, value
+from xladist import _runtime
 
 
 class VariableStore:
@@ -53,6 +44,10 @@ class VariableStore:
       self._hook_handles = (
           torch_module.register_module_parameter_registration_hook(self._on_register),
           torch_module.register_module_buffer_registration_hook(self._on_register),
+          # A submodule assigned under the scope may have been made elsewhere
+          # or copied (nn.TransformerEncoder deep-copies its layers, which
+          # registers no parameter): its whole subtree becomes variables.
+          torch_module.register_module_module_registration_hook(self._on_submodule),
       )
 
   def exit_scope(self):
@@ -72,15 +67,16 @@ class VariableStore:
       self._pending.append(ref)
     return None
 
+  def _on_submodule(self, parent, name, submodule):
+    if submodule is not None:
+      for m in submodule.modules():
+        if m._parameters or m._buffers:
+          self._on_register(m, None, None)
+    return None
+
   def _forget(self, key):
     self._module_ids.discard(key)
     self._modules = [r for r in self._modules if r() is not None]
-
-  def track_module(self, module):
-    """Makes `module`'s (and its children's) state strategy variables."""
-    for m in module.modules():
-      self._on_register(m, None, None)
-    self.place_pending()
 
   def track_optimizer(self, optimizer):
     """Returns True when `optimizer` was not tracked before."""
@@ -129,16 +125,6 @@ class VariableStore:
           "references before the scope is left; the move is retried then and "
           f"before each strategy.run. (torch: {e})") from None
 
-  def is_variable(self, tensor):
-    for module in self.modules():
-      for t in module._parameters.values():
-        if t is tensor:
-          return True
-      for t in module._buffers.values():
-        if t is tensor:
-          return True
-    return False
-
   def modules(self):
     for ref in self._modules:
       m = ref()
@@ -169,38 +155,68 @@ class VariableStore:
         if isinstance(v, torch.Tensor) and v.device.type == "xla":
           yield state, key, v
 
-  def enter(self, to_local, saved):
-    """Swaps every variable (and its grad) and optimizer state for its local view."""
+  def enter(self, step):
+    """Swaps every variable (and its grad) and optimizer state for its local view.
+
+    `step` (a `Step`) records what was swapped, so that `exit` and `restore`
+    touch exactly those tensors.
+    """
+    to_local = _runtime.to_local
     for t in self.variables():
-      saved.append(_Slot(t, "data", t.data))
-      saved.append(_Slot(t, "grad", t.grad))
-      t.data = to_local(t.data)
-      if t.grad is not None:
-        t.grad = to_local(t.grad)
+      data, grad = t.data, t.grad
+      step.variables.append((t, data, grad))
+      t.data = to_local(data)  # placed by xladist: always carries a sharding
+      if grad is not None:
+        t.grad = to_local(_runtime.ensure_sharded(grad))
     for optimizer in self.optimizers():
-      self.enter_optimizer(optimizer, to_local, saved)
+      self.enter_optimizer(optimizer, step)
 
-  def enter_optimizer(self, optimizer, to_local, saved):
+  def enter_optimizer(self, optimizer, step):
     snapshot = {p: dict(state) for p, state in optimizer.state.items()}
-    saved.append(_Slot(optimizer, _STATE, snapshot))
+    step.optimizers.append((optimizer, snapshot))
     for state, key, v in list(self.optimizer_state_slots(optimizer)):
-      state[key] = to_local(v)
+      state[key] = _runtime.to_local(_runtime.ensure_sharded(v))
 
-  def exit(self, to_global):
-    for t in self.variables():
+  @staticmethod
+  def exit(step, to_global):
+    """Swaps the local views back for global ones.
+
+    Gradients that an optimizer stepped in this step are released (as
+    `zero_grad(set_to_none=True)` would); others (accumulated by a step that
+    did not call `optimizer.step()`) are kept.
+    """
+    stepped = step.stepped
+    for t, _, _ in step.variables:
       t.data = to_global(t.data)
       if t.grad is not None:
-        t.grad = to_global(t.grad)
-    for optimizer in self.optimizers():
-      for state, key, v in list(self.optimizer_state_slots(optimizer)):
+        t.grad = None if id(t) in stepped else to_global(t.grad)
+    for optimizer, _ in step.optimizers:
+      for state, key, v in list(VariableStore.optimizer_state_slots(optimizer)):
         state[key] = to_global(v)
 
   @staticmethod
-  def restore(saved):
+  def restore(step):
     """Puts back the global tensors saved by `enter` (after a failed trace)."""
-    for slot in reversed(saved):
-      if slot.key is _STATE:
-        slot.owner.state.clear()
-        slot.owner.state.update(slot.value)
-      else:
-        setattr(slot.owner, slot.key, slot.value)
+    for t, data, grad in step.variables:
+      t.data = data
+      t.grad = grad
+    for optimizer, snapshot in step.optimizers:
+      optimizer.state.clear()
+      optimizer.state.update(snapshot)
+
+
+class Step:
+  """What one `run` swapped into its region."""
+
+  __slots__ = ("variables", "optimizers", "stepped", "variable_ids")
+
+  def __init__(self):
+    self.variables = []   # (tensor, global data, global grad)
+    self.optimizers = []  # (optimizer, state snapshot)
+    self.stepped = set()  # ids of parameters an optimizer stepped
+    self.variable_ids = None
+
+  def is_variable(self, tensor):
+    if self.variable_ids is None:
+      self.variable_ids = {id(t) for t, _, _ in self.variables}
+    return id(tensor) in self.variable_ids

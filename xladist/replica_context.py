@@ -86,9 +86,8 @@ class ReplicaContext:
     kwargs = dict(kwargs or {})
     region = self._region
     if region is not None:
-      store = self._strategy.extended._store
       leaves, spec = flatten((tuple(args), kwargs))
-      leaves = [self._as_per_replica(x, region, store) for x in leaves]
+      leaves = [self._as_per_replica(x, region) for x in leaves]
       args, kwargs = unflatten(spec, leaves)
     mode = context._Mode(self._strategy, cross_replica=self._strategy)
     context.push(mode)
@@ -102,8 +101,8 @@ class ReplicaContext:
     return unflatten(spec, [region.local_of(x) for x in leaves])
 
   @staticmethod
-  def _as_per_replica(x, region, store):
-    if not isinstance(x, torch.Tensor) or store.is_variable(x):
+  def _as_per_replica(x, region):
+    if not isinstance(x, torch.Tensor) or region.step.is_variable(x):
       return x
     if x.device.type != "xla":
       x = region.local_replicated(x)

@@ -59,14 +59,13 @@ class SPMDExtended(StrategyExtended):
     store = self._store
     store.place_pending()
     region = Region(strategy)
-    saved = []
+    step = region.step
     hook = torch_optimizer.register_optimizer_step_pre_hook(self._before_step)
     self._region = region
-    self._saved = saved
     try:
       leaves, spec = flatten((args, kwargs))
       args, kwargs = unflatten(spec, [region.enter_value(x) for x in leaves])
-      store.enter(region.local_replicated, saved)
+      store.enter(step)
       mode = context._Mode(strategy, replica_context=ReplicaContext(strategy, region))
       context.push(mode)
       try:
@@ -76,43 +75,41 @@ class SPMDExtended(StrategyExtended):
         context.pop(mode)
       leaves, spec = flatten(out)
       result = unflatten(spec, [region.exit_value(x) for x in leaves])
-      store.exit(region.global_replicated)
+      store.exit(step, region.global_replicated)
       return result
     except _runtime.HostReadInStep as e:
-      store.restore(saved)
+      store.restore(step)
       raise RuntimeError(HOST_READ_MESSAGE.format(detail=str(e))) from None
     except BaseException:
-      store.restore(saved)
+      store.restore(step)
       raise
     finally:
       hook.remove()
       region.close()
       self._region = None
-      self._saved = None
 
   def _before_step(self, optimizer, args, kwargs):
     """optimizer.step() in a replica context: aggregate the gradients first."""
+    region = self._region
     ctx = context.get_replica_context()
-    if ctx is None or ctx.strategy is not self._strategy_ref or self._region is None:
+    if region is None or ctx is None or ctx.strategy is not self._strategy_ref:
       return
-    store = self._store
-    if store.track_optimizer(optimizer):
-      store.enter_optimizer(optimizer, self._region.local_replicated, self._saved)
-    op = self.experimental_gradient_aggregation
-    if op is None:
-      return
+    step = region.step
+    if self._store.track_optimizer(optimizer):
+      self._store.enter_optimizer(optimizer, step)
     params = [p for group in optimizer.param_groups for p in group["params"]
               if p.grad is not None]
-    if not params:
-      return
-    variables = {id(v) for v in store.variables()}
-    foreign = [tuple(p.shape) for p in params if id(p) not in variables]
+    foreign = [tuple(p.shape) for p in params if not step.is_variable(p)]
     if foreign:
       raise RuntimeError(
           f"optimizer.step() in strategy.run: {len(foreign)} of the optimizer's "
           f"parameters (shapes {foreign[:3]}...) are not variables of "
           f"{self._strategy_ref!r}. Create the model under strategy.scope() so that "
           "its parameters are mirrored on every replica.")
+    step.stepped.update(id(p) for p in params)
+    op = self.experimental_gradient_aggregation
+    if op is None or not params:
+      return
 
     def merge_fn(strategy, *grads):
       return strategy.extended.batch_reduce_to(op, [(g, g) for g in grads])
