@@ -1,63 +1,81 @@
-"""Step overhead of xladist against a hand-written torch_xla SPMD training step.
+"""Step overhead of xladist against hand-written torch_xla SPMD training steps.
 
 Run (XLA:CPU, 4 virtual devices)::
 
   PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 PYTHONPATH=. python bench/step_overhead.py
 
 What is compared
-  Two variants of the same data-parallel training step, in one process, on the
-  same devices, with the same model architecture, the same initial weights (both
-  load the state_dict of one CPU model) and the same data:
+  Two variants of the same data-parallel training step (forward, cross-entropy
+  on random labels, backward, SGD with momentum), in one process, on the same
+  devices, with the same model architecture, the same initial weights (both load
+  the state_dict of one CPU model) and the same data:
 
-  * xladist: the model and a momentum SGD are made under
+  * xladist: the model and the optimizer are made under
     `xd.MirroredStrategy().scope()`; a step is `strategy.run(step, (xb, yb))`
     followed by `_runtime.sync()`. `xb`/`yb` are PerReplica values built once
     with `experimental_distribute_values_from_function` and reused every step.
   * hand-written: the idiomatic torch_xla SPMD step: the model moved to 'xla'
-    (parameters replicated by default), the global batch (N*b, ...) staged on the
-    device once and sharded over a 1-D ("data",) mesh with `xs.mark_sharding`,
-    and `loss = CE(model(x), y); zero_grad; backward; step; torch_xla.sync()`.
+    (parameters replicated, the SPMD default), the global batch (N*b, ...)
+    staged on the device once and sharded over a 1-D ("data",) mesh with
+    `xs.mark_sharding`, and `loss = CE(model(x), y); zero_grad; backward; step;
+    torch_xla.sync()`.
 
-  Both compute the same math (the mean of the per-replica mean losses equals the
+  * hand-manual: xladist's own route written by hand with torch_xla's bindings
+    (every parameter, momentum buffer and input enters the manual region, one
+    packed SPMD all-reduce of the gradients, everything leaves again). The
+    ratio xladist / hand-manual is what xladist's bookkeeping costs on top of
+    the route; hand-manual / hand-written is what the route itself costs.
+
+  All three do the same math (the mean of the per-replica mean losses is the
   global mean loss), so their parameters must agree after the same number of
   steps; the script checks that.
 
-  Models: (1) an MLP of 10 Linear layers (20 parameter tensors), (2) 9
-  nn.TransformerEncoderLayer (d_model 64, 4 heads, FF 128, dropout 0,
-  batch_first) with mean pooling and a linear head (110 parameter tensors).
+  Models: (1) an MLP of 10 Linear layers, width 256 (20 parameter tensors);
+  (2) 9 nn.TransformerEncoderLayer (d_model 64, 4 heads, FF 128, dropout 0,
+  batch_first), mean pooling and a linear head (110 parameter tensors).
 
 Method
-  * The strategy is created first (it switches torch_xla to SPMD mode).
+  * The strategy is created first (it switches torch_xla to SPMD mode). Each
+    model is benchmarked on its own: the previous model's variants are freed
+    first, because xladist traces every live variable of the strategy into
+    each step.
   * Each variant is warmed up (--warmup steps, default 3) until its graphs are
-    compiled; the number of XLA compilations during the timed loop is read from
-    torch_xla's metrics and printed (it must be 0), as are the numbers of XLA
-    executions per step (must be 1) and of device->host transfers (must be 0:
-    nothing is read back inside the timed loop).
-  * Timed loop: --rounds rounds; in each round --steps steps of one variant, then
-    --steps of the other, alternating which goes first. `xm.wait_device_ops()`
-    is called before and at the end of each variant's block so that queued
-    device work of one variant does not leak into the other's timings.
-  * Per step we record
-      host:  from the step's start until `sync()` returns (Python + tracing +
-             graph hashing + launching the asynchronous execution);
-      wall:  from the step's start to the next step's start (device work of a
-             step may overlap the tracing of the next); for the last step of a
-             block the wall time runs to the end of the block's final
-             `wait_device_ops()`, so the drain is included.
-    Reported: the median per-step wall and host times, and the block total
-    (sum over blocks of start-of-block to end-of-drain) divided by the number
-    of steps.
-  * --profile N runs cProfile over N further steps of each variant of the
-    transformer and prints the most expensive xladist functions.
+    compiled. For the timed steps the script prints the number of XLA
+    compilations (must be 0), of executions per step (must be 1) and of
+    device->host transfers (must be 0: nothing is read back).
+  * --rounds rounds; in each round both variants run a steady-state block, the
+    order alternating between rounds, then both run an isolated block:
+      steady-state block (--steps steps): steps back to back, no waiting, with
+        `xm.wait_device_ops()` before the block and at its end, so that queued
+        device work of one variant does not leak into the other's timings.
+        wall: from a step's start to the next step's start (device work may
+        overlap the next step's tracing); the last step of a block runs until
+        the final wait_device_ops returns, so the drain is counted. Reported as
+        the median per step, and as the sum of block totals / steps.
+        host (steady state): from a step's start until sync() returns. Note:
+        torch_xla's sync waits for the previous execution on the device to
+        finish before it launches the next, so in steady state this includes
+        waiting for the device and is close to the wall time.
+      isolated block (--isolated steps): wait_device_ops before every step, so
+        the device is idle when the step starts; host (isolated) is from the
+        step's start until sync() returns = Python + tracing + graph hashing +
+        launching the asynchronous execution. This is the "host" of the main
+        table; it is also split into trace (until just before sync) and sync.
+  * --profile N cProfiles N isolated steps of each variant of each model
+    (profiler off while waiting for the device) and prints the most expensive
+    xladist functions and the top functions overall.
 
-Caveat: on XLA:CPU the "device" shares the host's CPU cores, so device work of a
-step competes with the tracing of the next one; wall times on a 2-core machine
-are noisy. Host times are the better measure of xladist's own overhead.
+On XLA:CPU the devices share the host's CPU cores (2 on the reference machine),
+so device work competes with tracing and timings are noisy; run it more than
+once. In an isolated step the device is idle only until sync() launches the
+execution, so the end of sync() can already compete with it: the trace part is
+the cleanest measure of host overhead.
 """
 
 import argparse
 import copy
 import cProfile
+import gc
 import io
 import os
 import pstats
@@ -83,8 +101,7 @@ class MLP(nn.Module):
 
   def __init__(self, width=256, depth=10, classes=10):
     super().__init__()
-    layers = [nn.Linear(width, width) for _ in range(depth - 1)]
-    self.hidden = nn.ModuleList(layers)
+    self.hidden = nn.ModuleList(nn.Linear(width, width) for _ in range(depth - 1))
     self.out = nn.Linear(width, classes)
 
   def forward(self, x):
@@ -114,6 +131,9 @@ class Encoder(nn.Module):
     return self.head(x.mean(dim=1))
 
 
+MODELS = {"mlp": MLP, "transformer": Encoder}
+
+
 def make_data(name, n, b, seq, generator):
   if name == "mlp":
     x = torch.randn(n * b, 256, generator=generator)
@@ -126,6 +146,7 @@ def make_data(name, n, b, seq, generator):
 # -- the two variants ----------------------------------------------------------
 
 LR, MOMENTUM = 0.01, 0.9
+perf = time.perf_counter
 
 
 class XladistVariant:
@@ -148,7 +169,7 @@ class XladistVariant:
       loss.backward()
       opt.step()
       return loss
-    self._step = step
+    self._fn = step
     # Pre-staged inputs: the PerReplica values are built once and reused.
     self.xb = strategy.experimental_distribute_values_from_function(
         lambda ctx: x[ctx.replica_id_in_sync_group * b:(ctx.replica_id_in_sync_group + 1) * b])
@@ -156,12 +177,11 @@ class XladistVariant:
         lambda ctx: y[ctx.replica_id_in_sync_group * b:(ctx.replica_id_in_sync_group + 1) * b])
 
   def step(self):
-    out = self.strategy.run(self._step, args=(self.xb, self.yb))
+    """One step; returns perf_counter() at the end of tracing (before sync)."""
+    self.strategy.run(self._fn, args=(self.xb, self.yb))
+    t = perf()
     _runtime.sync()
-    return out
-
-  def params(self):
-    return [p.detach().cpu() for p in self.model.parameters()]
+    return t
 
 
 class HandWrittenVariant:
@@ -187,33 +207,107 @@ class HandWrittenVariant:
     self.opt.zero_grad()
     loss.backward()
     self.opt.step()
+    t = perf()
     self._sync()
-    return loss
+    return t
 
-  def params(self):
-    return [p.detach().cpu() for p in self.model.parameters()]
+
+class HandManualVariant:
+  """The same manual-region step as xladist's, written by hand with torch_xla's bindings.
+
+  Each parameter, momentum buffer and input enters the manual region with
+  `_spmd_full_to_shard_shape` and leaves with `_spmd_shard_to_full_shape`; the
+  gradients are packed into one buffer and all-reduced with
+  `_xla_spmd_all_reduce` (MEAN). This is the least a hand-written version of
+  xladist's route must do, so xladist / hand-manual isolates xladist's own
+  bookkeeping from the cost of the route.
+  """
+  name = "hand-manual"
+
+  def __init__(self, factory, state, x, y, n):
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+    self._x, self._sync, self.n = torch_xla._XLAC, torch_xla.sync, n
+    mesh = xs.Mesh(np.arange(n), (n,), ("data",))
+    self._rep = {d: mesh.get_op_sharding((None,) * d) for d in range(5)}
+    self._split = {d: mesh.get_op_sharding((0,) + (None,) * (d - 1)) for d in range(1, 6)}
+    self._manual = self._x.OpSharding([], [], [], xs.ShardingType.MANUAL)
+    model = factory()
+    model.load_state_dict(state)
+    self.model = model.to("xla")
+    for p in self.model.parameters():
+      self._x._xla_mark_sharding(p, self._rep[p.dim()])
+    self.params = list(self.model.parameters())
+    self.opt = torch.optim.SGD(self.params, lr=LR, momentum=MOMENTUM)
+    b = x.shape[0] // n
+    self.x = x.reshape((n, b) + tuple(x.shape[1:])).to("xla")
+    self.y = y.reshape(n, b).to("xla")
+    self._x._xla_mark_sharding(self.x, self._split[self.x.dim()])
+    self._x._xla_mark_sharding(self.y, self._split[self.y.dim()])
+    torch_xla.sync()
+
+  def _out(self, t, sharding, shape):
+    self._x._mark_manual_sharding(t, self._manual)
+    return self._x._spmd_shard_to_full_shape(t, sharding, shape, t.dtype)
+
+  def step(self):
+    x, params, opt = self._x, self.params, self.opt
+    for p in params:
+      p.data = x._spmd_full_to_shard_shape(p.data)
+    states = [st for st in opt.state.values()]
+    for st in states:
+      st["momentum_buffer"] = x._spmd_full_to_shard_shape(st["momentum_buffer"])
+    xl = x._spmd_full_to_shard_shape(self.x).squeeze(0)
+    yl = x._spmd_full_to_shard_shape(self.y).squeeze(0)
+    loss = F.cross_entropy(self.model(xl), yl)
+    opt.zero_grad()
+    loss.backward()
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    flat = x._xla_spmd_all_reduce("sum", flat, 1.0 / self.n, [list(range(self.n))])
+    for p, g in zip(params, flat.split([p.numel() for p in params])):
+      p.grad = g.view(p.shape)
+    opt.step()
+    for p in params:
+      p.data = self._out(p.data, self._rep[p.dim()], p.shape)
+      p.grad = None
+    for st in opt.state.values():
+      buf = st["momentum_buffer"]
+      st["momentum_buffer"] = self._out(buf, self._rep[buf.dim()], buf.shape)
+    t = perf()
+    self._sync()
+    return t
 
 
 # -- timing --------------------------------------------------------------------
 
-def _metric_count(name):
+def _metric(name):
   import torch_xla.debug.metrics as met
   data = met.metric_data(name)
-  return 0 if data is None else data[0]
+  return (0, 0.0) if data is None else (data[0], data[1])
 
 
-def _counter(name):
-  import torch_xla.debug.metrics as met
-  return met.counter_value(name) or 0
+class Record:
+
+  def __init__(self):
+    self.wall, self.host, self.iso_host, self.iso_trace, self.iso_sync = [], [], [], [], []
+    self.total = 0.0
+    self.steps = self.compiles = self.executes = self.d2h = 0
+
+  def counters(self):
+    return (_runtime.compile_count(), _runtime.execute_count(),
+            _metric("TransferFromDeviceTime")[0])
+
+  def add_counters(self, before):
+    after = self.counters()
+    self.compiles += after[0] - before[0]
+    self.executes += after[1] - before[1]
+    self.d2h += after[2] - before[2]
 
 
-def run_block(variant, steps, rec):
-  """`steps` timed steps of `variant`; appends to rec (a dict of lists)."""
+def steady_block(variant, steps, rec):
   _runtime.wait()
-  perf = time.perf_counter
+  before = rec.counters()
   starts, host = [], []
-  c0, e0 = _runtime.compile_count(), _runtime.execute_count()
-  d0 = _metric_count("TransferFromDeviceTime")
   for _ in range(steps):
     t0 = perf()
     variant.step()
@@ -222,149 +316,217 @@ def run_block(variant, steps, rec):
     host.append(t1 - t0)
   _runtime.wait()
   end = perf()
-  rec["compiles"] += _runtime.compile_count() - c0
-  rec["executes"] += _runtime.execute_count() - e0
-  rec["d2h"] += _metric_count("TransferFromDeviceTime") - d0
-  rec["host"] += host
-  rec["wall"] += [b - a for a, b in zip(starts, starts[1:] + [end])]
-  rec["total"] += end - starts[0]
-  rec["steps"] += steps
+  rec.add_counters(before)
+  rec.host += host
+  rec.wall += [b - a for a, b in zip(starts, starts[1:] + [end])]
+  rec.total += end - starts[0]
+  rec.steps += steps
 
 
-def new_record():
-  return {"host": [], "wall": [], "total": 0.0, "steps": 0, "compiles": 0,
-          "executes": 0, "d2h": 0}
-
-
-def max_abs_diff(a, b):
-  return max(float((p - q).abs().max()) for p, q in zip(a, b))
-
-
-def profile_steps(variant, steps, top):
-  _runtime.wait()
-  prof = cProfile.Profile()
-  t0 = time.perf_counter()
-  prof.enable()
+def isolated_block(variant, steps, rec):
+  before = rec.counters()
   for _ in range(steps):
+    _runtime.wait()
+    t0 = perf()
+    t_trace = variant.step()
+    t1 = perf()
+    rec.iso_host.append(t1 - t0)
+    rec.iso_trace.append(t_trace - t0)
+    rec.iso_sync.append(t1 - t_trace)
+    rec.steps += 1
+  _runtime.wait()
+  rec.add_counters(before)
+
+
+def profile_text(variant, steps, top, model):
+  prof = cProfile.Profile()
+  host = 0.0
+  for _ in range(steps):
+    _runtime.wait()
+    t0 = perf()
+    prof.enable()
     variant.step()
-  prof.disable()
-  host = (time.perf_counter() - t0) / steps
+    prof.disable()
+    host += perf() - t0
   _runtime.wait()
   stream = io.StringIO()
   stats = pstats.Stats(prof, stream=stream)
   stats.sort_stats("cumulative")
-  return prof, stats, stream, host
-
-
-def print_profile(name, variant, steps, top):
-  prof, stats, stream, host = profile_steps(variant, steps, top)
-  print(f"\ncProfile of {steps} {name} steps ({host * 1e3:.2f} ms/step under the "
-        "profiler); xladist functions by cumulative time:")
+  out = [f"cProfile of {steps} isolated {variant.name} steps ({model}): "
+         f"{host / steps * 1e3:.2f} ms/step host under the profiler"]
   rows = []
-  for (path, line, func), (cc, nc, tt, ct, _) in stats.stats.items():
-    if os.sep + "xladist" + os.sep in path:
-      rel = path[path.rindex(os.sep + "xladist" + os.sep) + 1:]
+  pkg = os.path.dirname(os.path.abspath(xd.__file__))
+  for (path, line, func), (_, nc, tt, ct, _) in stats.stats.items():
+    if os.path.abspath(path).startswith(pkg + os.sep):
+      rel = os.path.relpath(path, os.path.dirname(pkg))
       rows.append((ct, tt, nc, f"{rel}:{line}({func})"))
-  rows.sort(reverse=True)
-  print(f"  {'cum ms/step':>11} {'self ms/step':>12} {'calls/step':>10}  function")
-  for ct, tt, nc, where in rows[:top]:
-    print(f"  {ct / steps * 1e3:11.3f} {tt / steps * 1e3:12.3f} {nc / steps:10.1f}  {where}")
-  print("  top functions overall (cumulative):")
+  if rows:
+    rows.sort(reverse=True)
+    out.append("  xladist functions by cumulative time:")
+    out.append(f"  {'cum ms/step':>11} {'self ms/step':>12} {'calls/step':>10}  function")
+    for ct, tt, nc, where in rows[:top]:
+      out.append(f"  {ct / steps * 1e3:11.3f} {tt / steps * 1e3:12.3f} "
+                 f"{nc / steps:10.1f}  {where}")
+  out.append("  top functions overall (cumulative, totals over all steps):")
   stats.print_stats(top)
   lines = stream.getvalue().splitlines()
   start = next(i for i, l in enumerate(lines) if "ncalls" in l)
-  for l in lines[start:start + top + 1]:
-    print("   ", l)
+  out += ["    " + l for l in lines[start:start + top + 1]]
+  return "\n".join(out)
 
 
-# -- main ----------------------------------------------------------------------
+def bench_model(name, strategy, args):
+  n, b = strategy.num_replicas_in_sync, args.batch
+  factory = MODELS[name]
+  torch.manual_seed(0)
+  state = copy.deepcopy(factory().state_dict())
+  x, y = make_data(name, n, b, args.seq, torch.Generator().manual_seed(1))
+
+  t = perf()
+  variants = (XladistVariant(strategy, factory, state, x, y, b),
+              HandWrittenVariant(factory, state, x, y, n),
+              HandManualVariant(factory, state, x, y, n))
+  nparams = len(list(variants[1].model.parameters()))
+  for v in variants:
+    for _ in range(args.warmup):
+      v.step()
+    _runtime.wait()
+  warm_s = perf() - t
+
+  recs = {v.name: Record() for v in variants}
+  for r in range(args.rounds):
+    order = variants if r % 2 == 0 else variants[::-1]
+    for v in order:
+      steady_block(v, args.steps, recs[v.name])
+    for v in order:
+      isolated_block(v, args.isolated, recs[v.name])
+
+  steps_each = args.warmup + args.rounds * (args.steps + args.isolated)
+  xd_p = [p.detach().cpu() for p in variants[0].model.parameters()]
+  hw_p = [p.detach().cpu() for p in variants[1].model.parameters()]
+  init = list(state.values())
+  diff = max(float((p - q).abs().max()) for p, q in zip(xd_p, hw_p))
+  hm_p = [p.detach().cpu() for p in variants[2].model.parameters()]
+  diff_manual = max(float((p - q).abs().max()) for p, q in zip(xd_p, hm_p))
+  moved = max(float((p - q).abs().max()) for p, q in zip(hw_p, init))
+  scale = max(float(p.abs().max()) for p in hw_p)
+
+  prof = None
+  if args.profile:
+    prof = [profile_text(v, args.profile, args.top, name) for v in variants]
+  return dict(name=name, nparams=nparams, recs=recs, diff=diff, moved=moved,
+              diff_manual=diff_manual,
+              scale=scale, steps_each=steps_each, warm_s=warm_s, prof=prof)
+
+
+def med(xs):
+  return statistics.median(xs) * 1e3
+
+
+def report(results):
+  print()
+  for res in results:
+    for vname, rec in res["recs"].items():
+      print(f"{res['name']:12s} {vname:13s} timed steps: {rec.steps}, compilations: "
+            f"{rec.compiles}, executions/step: {rec.executes / rec.steps:.2f}, "
+            f"device->host transfers: {rec.d2h}   (setup + warm-up of both: "
+            f"{res['warm_s']:.1f} s)")
+  print("\nMain table. wall: median per-step wall time in steady state; host: median "
+        "host time of an isolated step (device idle at its start) until sync() returns.\n")
+  print("| model | #param tensors | xladist wall ms | hand-written wall ms | wall ratio "
+        "| xladist host ms | hand-written host ms | host ratio |")
+  print("|---|---:|---:|---:|---:|---:|---:|---:|")
+  for res in results:
+    a, h = res["recs"]["xladist"], res["recs"]["hand-written"]
+    wa, wh, ha, hh = med(a.wall), med(h.wall), med(a.iso_host), med(h.iso_host)
+    print(f"| {res['name']} | {res['nparams']} | {wa:.2f} | {wh:.2f} | {wa / wh:.3f} | "
+          f"{ha:.2f} | {hh:.2f} | {ha / hh:.3f} |")
+  print("\nAgainst the same manual-region step written by hand (hand-manual): what "
+        "xladist's own bookkeeping costs on top of its route.\n")
+  print("| model | xladist wall ms | hand-manual wall ms | wall ratio | xladist host ms "
+        "| hand-manual host ms | host ratio |")
+  print("|---|---:|---:|---:|---:|---:|---:|")
+  for res in results:
+    a, m = res["recs"]["xladist"], res["recs"]["hand-manual"]
+    wa, wm, ha, hm = med(a.wall), med(m.wall), med(a.iso_host), med(m.iso_host)
+    print(f"| {res['name']} | {wa:.2f} | {wm:.2f} | {wa / wm:.3f} | {ha:.2f} | {hm:.2f} "
+          f"| {ha / hm:.3f} |")
+  print("\nDetails (ms; xladist / hand-written = ratio). block wall: sum of steady-state "
+        "block totals (incl. final drain) / steps; steady host: step start to sync() "
+        "return in steady state (includes waiting in sync for the previous execution); "
+        "trace / sync: the isolated host time split at the call of sync().\n")
+  print("| model | block wall | steady host | isolated trace | isolated sync |")
+  print("|---|---|---|---|---|")
+  for res in results:
+    a, h = res["recs"]["xladist"], res["recs"]["hand-written"]
+    cells = []
+    for fa, fh in ((a.total / len(a.wall) * 1e3, h.total / len(h.wall) * 1e3),
+                   (med(a.host), med(h.host)), (med(a.iso_trace), med(h.iso_trace)),
+                   (med(a.iso_sync), med(h.iso_sync))):
+      cells.append(f"{fa:.2f} / {fh:.2f} = {fa / fh:.3f}")
+    print(f"| {res['name']} | " + " | ".join(cells) + " |")
+  print()
+  for res in results:
+    ok = res["diff"] <= 1e-4 * max(1.0, res["scale"])
+    print(f"{res['name']}: final parameters after {res['steps_each']} steps each "
+          f"{'agree' if ok else 'DISAGREE'}: max |xladist - hand-written| = "
+          f"{res['diff']:.3g} (max |param| {res['scale']:.3g}, max change from the "
+          f"initial weights {res['moved']:.3g}); max |xladist - hand-manual| = "
+          f"{res['diff_manual']:.3g}")
+  for res in results:
+    for text in res["prof"] or ():
+      print("\n" + text)
+
+
+def _source_digest():
+  """A short digest of xladist's sources, to tell which version was measured."""
+  import hashlib
+  root = os.path.dirname(os.path.abspath(xd.__file__))
+  h = hashlib.sha1()
+  for dirpath, dirnames, files in sorted(os.walk(root)):
+    dirnames.sort()
+    for f in sorted(files):
+      if f.endswith(".py"):
+        path = os.path.join(dirpath, f)
+        h.update(os.path.relpath(path, root).encode())
+        with open(path, "rb") as fh:
+          h.update(fh.read())
+  return h.hexdigest()[:12]
+
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--steps", type=int, default=10, help="steps per variant per round")
-  parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
-  parser.add_argument("--batch", type=int, default=16, help="per-replica batch size")
+  parser.add_argument("--steps", type=int, default=8,
+                      help="steady-state steps per variant per round (default 8)")
+  parser.add_argument("--isolated", type=int, default=8,
+                      help="isolated steps per variant per round (default 5)")
+  parser.add_argument("--rounds", type=int, default=4, help="rounds (default 4)")
+  parser.add_argument("--batch", type=int, default=16, help="per-replica batch (default 16)")
   parser.add_argument("--seq", type=int, default=16, help="transformer sequence length")
   parser.add_argument("--warmup", type=int, default=3, help="warm-up steps per variant")
   parser.add_argument("--models", default="mlp,transformer",
-                      help="comma-separated subset of mlp,transformer")
+                      help="comma-separated subset of " + ",".join(MODELS))
   parser.add_argument("--profile", type=int, default=0, metavar="N",
-                      help="after timing, cProfile N steps of each variant of the "
-                      "transformer and print the top xladist functions")
-  parser.add_argument("--top", type=int, default=25, help="rows of the profile")
+                      help="after timing, cProfile N isolated steps of each variant")
+  parser.add_argument("--top", type=int, default=25, help="rows per profile listing")
   args = parser.parse_args(argv)
 
-  start_time = time.perf_counter()
+  t_start = perf()
   strategy = xd.MirroredStrategy()  # first: puts torch_xla in SPMD mode
-  n = strategy.num_replicas_in_sync
-  b = args.batch
   import torch_xla
-  print(f"torch {torch.__version__}, torch_xla {torch_xla.__version__}, "
-        f"{_runtime.initialize().device_type} with {n} devices, per-replica batch {b}, "
-        f"warm-up {args.warmup}, {args.rounds} rounds x {args.steps} steps per variant")
-
-  factories = {"mlp": MLP, "transformer": Encoder}
-  results, profiled = [], None
+  print(f"xladist {xd.__version__} from {os.path.dirname(xd.__file__)} (sources sha1 "
+        f"{_source_digest()}), "
+        f"torch {torch.__version__}, torch_xla {torch_xla.__version__}, "
+        f"{_runtime.initialize().device_type} with {strategy.num_replicas_in_sync} "
+        f"devices; per-replica batch {args.batch}; warm-up {args.warmup}; {args.rounds} "
+        f"rounds x ({args.steps} steady + {args.isolated} isolated) steps per variant",
+        flush=True)
+  results = []
   for name in args.models.split(","):
-    factory = factories[name]
-    torch.manual_seed(0)
-    state = copy.deepcopy(factory().state_dict())
-    g = torch.Generator().manual_seed(1)
-    x, y = make_data(name, n, b, args.seq, g)
-
-    t = time.perf_counter()
-    xd_v = XladistVariant(strategy, factory, state, x, y, b)
-    hw_v = HandWrittenVariant(factory, state, x, y, n)
-    nparams = len(list(hw_v.model.parameters()))
-    for v in (xd_v, hw_v):
-      for _ in range(args.warmup):
-        v.step()
-      _runtime.wait()
-    warm_s = time.perf_counter() - t
-
-    recs = {xd_v.name: new_record(), hw_v.name: new_record()}
-    for r in range(args.rounds):
-      order = (xd_v, hw_v) if r % 2 == 0 else (hw_v, xd_v)
-      for v in order:
-        run_block(v, args.steps, recs[v.name])
-
-    total_steps = args.warmup + args.rounds * args.steps
-    diff = max_abs_diff(xd_v.params(), hw_v.params())
-    scale = max(float(p.abs().max()) for p in hw_v.params())
-    results.append((name, nparams, recs, diff, scale, total_steps, warm_s))
-    if name == "transformer":
-      profiled = (xd_v, hw_v)
-    else:
-      del xd_v, hw_v
-
-  print()
-  for name, nparams, recs, diff, scale, total_steps, warm_s in results:
-    for vname, rec in recs.items():
-      print(f"{name:12s} {vname:13s} compilations in timed loop: {rec['compiles']}, "
-            f"executions/step: {rec['executes'] / rec['steps']:.2f}, "
-            f"device->host transfers: {rec['d2h']}  (warm-up + setup {warm_s:.1f} s)")
-  print()
-  print("| model | #param tensors | xladist wall ms | hand-written wall ms | wall ratio "
-        "| xladist wall ms (block total/steps) | hand-written wall ms (block total/steps) "
-        "| ratio | xladist host ms | hand-written host ms | host ratio |")
-  print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-  for name, nparams, recs, diff, scale, total_steps, warm_s in results:
-    a, h = recs["xladist"], recs["hand-written"]
-    wa, wh = statistics.median(a["wall"]) * 1e3, statistics.median(h["wall"]) * 1e3
-    ta, th = a["total"] / a["steps"] * 1e3, h["total"] / h["steps"] * 1e3
-    ha, hh = statistics.median(a["host"]) * 1e3, statistics.median(h["host"]) * 1e3
-    print(f"| {name} | {nparams} | {wa:.2f} | {wh:.2f} | {wa / wh:.3f} | {ta:.2f} | "
-          f"{th:.2f} | {ta / th:.3f} | {ha:.2f} | {hh:.2f} | {ha / hh:.3f} |")
-  print()
-  for name, nparams, recs, diff, scale, total_steps, warm_s in results:
-    ok = "agree" if diff <= 1e-4 * max(1.0, scale) else "DISAGREE"
-    print(f"{name}: final parameters after {total_steps} steps each {ok}: "
-          f"max |xladist - hand-written| = {diff:.3g} (max |param| {scale:.3g})")
-
-  if args.profile and profiled is not None:
-    print_profile("xladist (transformer)", profiled[0], args.profile, args.top)
-    print_profile("hand-written (transformer)", profiled[1], args.profile, args.top)
-  print(f"\ntotal run time {time.perf_counter() - start_time:.1f} s")
+    results.append(bench_model(name, strategy, args))
+    gc.collect()  # the variants are gone: the next model's steps trace only its own
+  report(results)
+  print(f"\ntotal run time {perf() - t_start:.1f} s")
   return 0
 
 
