@@ -273,6 +273,8 @@ class HandManualVariant:
     for st in opt.state.values():
       buf = st["momentum_buffer"]
       st["momentum_buffer"] = self._out(buf, self._rep[buf.dim()], buf.shape)
+    # The per-replica losses leave the region too, as xladist's step returns them.
+    self.loss = self._out(loss.detach().reshape(1), self._split[1], torch.Size([self.n]))
     t = perf()
     self._sync()
     return t

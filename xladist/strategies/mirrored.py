@@ -126,7 +126,8 @@ class SPMDExtended(StrategyExtended):
   def _batch_reduce(self, reduce_op, values):
     local = [i for i, v in enumerate(values)
              if isinstance(v, PerReplica) and v._local is not None]
-    out = [None if i in set(local) else self._reduce(reduce_op, v, None)
+    local_set = set(local)
+    out = [None if i in local_set else self._reduce(reduce_op, v, None)
            for i, v in enumerate(values)]
     if local:
       reduced = self._batch_reduce_local(reduce_op, [values[i] for i in local],
