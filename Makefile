@@ -10,7 +10,7 @@ STAMP := $(XLADIST_VENV)/.xladist-$(shell sha1sum pyproject.toml | cut -c1-12)
 RUN := PYTHONPATH=$(CURDIR) $(PY)
 CPU_ENV := PJRT_DEVICE=CPU CPU_NUM_DEVICES=4
 
-.PHONY: venv demo test bench clean-venv
+.PHONY: venv demo test bench bench-input clean-venv
 
 venv: $(STAMP)
 
@@ -28,6 +28,9 @@ test: venv
 
 bench: venv
 	$(CPU_ENV) $(RUN) bench/step_overhead.py
+
+bench-input: venv
+	$(CPU_ENV) $(RUN) bench/input_pipeline.py --rounds 12
 
 clean-venv:
 	rm -rf $(XLADIST_VENV)

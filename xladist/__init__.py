@@ -45,6 +45,8 @@ from xladist.context import (current_device, current_strategy, current_update_de
                              experimental_set_strategy, get_cross_replica_context,
                              get_replica_context, get_strategy, get_tower_context,
                              has_strategy, in_cross_replica_context)
+from xladist.input.dataset import DistributedDataset, DistributedIterator
+from xladist.input.options import InputContext, InputOptions, InputReplicationMode
 from xladist.input_options import RunOptions
 from xladist.reduce_util import MeanReduction, ReduceOp, SumReduction
 from xladist.replica_context import ReplicaContext, TowerContext
@@ -57,8 +59,9 @@ from xladist import experimental
 __version__ = "0.1.0"
 
 __all__ = [
-    "DistributedValues", "MeanReduction", "Mirrored", "MirroredStrategy",
-    "OneDeviceStrategy", "PerReplica", "ReduceOp", "ReplicaContext", "RunOptions",
+    "DistributedDataset", "DistributedIterator", "DistributedValues", "InputContext",
+    "InputOptions", "InputReplicationMode", "MeanReduction", "Mirrored",
+    "MirroredStrategy", "OneDeviceStrategy", "PerReplica", "ReduceOp", "ReplicaContext", "RunOptions",
     "Strategy", "StrategyExtended", "SumReduction", "TowerContext", "current_device",
     "current_strategy", "current_update_device", "experimental",
     "experimental_set_strategy", "get_cross_replica_context", "get_replica_context",

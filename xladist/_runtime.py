@@ -184,6 +184,14 @@ def place_split(tensor):
   return torch_xla._XLAC._xla_tensors_from_aten([t], [str(device())], [spec])[0]
 
 
+def place_split_many(tensors):
+  """`place_split` of several host tensors, all transferred in one call."""
+  import torch_xla
+  ts = [t.detach().contiguous() for t in tensors]
+  specs = [_replica_sharding_spec(t.dim()).xla_spec(t) for t in ts]
+  return torch_xla._XLAC._xla_tensors_from_aten(ts, [str(device())] * len(ts), specs)
+
+
 def to_local(global_tensor):
   """Enters the manual region: each device gets its own shard of `global_tensor`.
 

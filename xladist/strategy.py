@@ -8,6 +8,8 @@ import optree
 import torch
 
 from xladist import context
+from xladist.input import dataset as input_dataset
+from xladist.input.options import InputContext, InputOptions, InputReplicationMode
 from xladist.reduce_util import ReduceOp, as_reduce_op
 from xladist.values import DistributedValues, Mirrored, PerReplica
 
@@ -216,6 +218,105 @@ class Strategy:
     return unflatten(spec, [_group_leaf([lv[0][i] for lv in leaves])
                             for i in range(len(leaves[0][0]))])
 
+  def experimental_distribute_dataset(self, dataset, options=None):
+    """Distributes a dataset of GLOBAL batches over the replicas.
+
+    `dataset` is a torch DataLoader or any re-iterable yielding global batches:
+    tensors, or nested tuples, lists, dicts and namedtuples of them (numpy
+    arrays are converted; other leaves are passed through). Each global batch
+    of B = N * b rows is split on dim 0: replica r gets rows [r * b, (r + 1) * b).
+    Iterating the result gives one element per step, ready for `run`; iterating
+    it again starts a new epoch. A background thread prefetches and transfers
+    the next elements while the current step runs.
+
+    Example, 2 replicas::
+
+      >>> loader = DataLoader(TensorDataset(torch.arange(8.)), batch_size=4)
+      >>> for (x,) in strategy.experimental_distribute_dataset(loader):
+      ...   strategy.run(step, args=(x,))   # 1st step: replica 0 [0., 1.], replica 1 [2., 3.]
+
+    Every step must have the same shapes; a partial last batch raises a
+    ValueError unless `options.experimental_partial_batch` is "mask" (pad it and
+    get a mask of the real rows) or "drop".
+
+    Args:
+      dataset: the dataset of global batches.
+      options: an `InputOptions` (default: `InputOptions()`).
+
+    Returns:
+      A `DistributedDataset`.
+
+    Raises:
+      TypeError: `dataset` is not re-iterable, or `options` is not an InputOptions.
+      ValueError: `options` asks for `InputReplicationMode.PER_REPLICA` (only
+        `distribute_datasets_from_function` has it).
+      RuntimeError: called inside `run`.
+    """
+    api = "strategy.experimental_distribute_dataset"
+    options = _check_input_options(options, api)
+    if options.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
+      raise ValueError(
+          f"{api}: InputReplicationMode.PER_REPLICA is only supported by "
+          "strategy.distribute_datasets_from_function; use it, or "
+          "InputReplicationMode.PER_WORKER here.")
+    input_dataset.check_dataset(dataset, api)
+    _require_cross_replica(self, api, "Distribute the dataset before the training "
+                           "loop, and pass its elements to strategy.run.")
+    return self._extended._experimental_distribute_dataset(dataset, options)
+
+  def distribute_datasets_from_function(self, dataset_fn, options=None):
+    """Distributes datasets made by `dataset_fn(input_context)`, one per pipeline.
+
+    `dataset_fn` is called now, once per input pipeline, with an `InputContext`,
+    and returns a re-iterable dataset of PER-REPLICA batches (as in TF: use
+    `input_context.get_per_replica_batch_size(global_batch_size)`):
+
+    * `InputReplicationMode.PER_WORKER` (default): one pipeline per host (one
+      here: input_pipeline_id 0, num_input_pipelines 1); each step takes its
+      next N elements, element r going to replica r;
+    * `InputReplicationMode.PER_REPLICA`: N pipelines (input_pipeline_id 0 ..
+      N-1, num_input_pipelines N); replica r gets pipeline r's elements.
+
+    Every step must have the same shapes; see `InputOptions.experimental_partial_batch`
+    for per-replica batches that come short or run out at the end.
+
+    Args:
+      dataset_fn: a function from `InputContext` to a dataset.
+      options: an `InputOptions` (default: `InputOptions()`).
+
+    Returns:
+      A `DistributedDataset`.
+
+    Raises:
+      TypeError: `dataset_fn` is not callable or returned something that is not
+        re-iterable, or `options` is not an InputOptions.
+      RuntimeError: called inside `run`.
+    """
+    api = "strategy.distribute_datasets_from_function"
+    if not callable(dataset_fn):
+      raise TypeError(f"{api}: dataset_fn must be callable, got "
+                      f"{type(dataset_fn).__name__}.")
+    options = _check_input_options(options, api)
+    _require_cross_replica(self, api, "Distribute the datasets before the training "
+                           "loop, and pass their elements to strategy.run.")
+    return self._extended._distribute_datasets_from_function(dataset_fn, options)
+
+  def experimental_distribute_datasets_from_function(self, dataset_fn, options=None):
+    """Former name of `distribute_datasets_from_function`."""
+    return self.distribute_datasets_from_function(dataset_fn, options)
+
+  def distribute_dataset(self, dataset_fn):
+    """Legacy (tf.contrib): `experimental_distribute_dataset` of a dataset.
+
+    Args:
+      dataset_fn: a dataset of global batches, or a function of no arguments
+        that returns one.
+    """
+    dataset = dataset_fn
+    if callable(dataset_fn) and not hasattr(dataset_fn, "__iter__"):
+      dataset = dataset_fn()
+    return self.experimental_distribute_dataset(dataset)
+
   # -- legacy tf.contrib.distribute ("tower") names and the Scala API ---------
   def call_for_each_tower(self, fn, *args, **kwargs):
     """Legacy name of `extended.call_for_each_replica(fn, args, kwargs)`."""
@@ -396,6 +497,32 @@ class StrategyExtended:
   def _broadcast(self, tensor):
     return tensor
 
+  def _experimental_distribute_dataset(self, dataset, options):
+    return input_dataset.from_dataset(
+        self, dataset, options, "strategy.experimental_distribute_dataset")
+
+  def _distribute_datasets_from_function(self, dataset_fn, options):
+    api = "strategy.distribute_datasets_from_function"
+    n = self._num_replicas_in_sync
+    per_replica = options.experimental_replication_mode is InputReplicationMode.PER_REPLICA
+    pipelines = n if per_replica else 1
+    datasets = []
+    for i in range(pipelines):
+      dataset = dataset_fn(InputContext(pipelines, i, n))
+      input_dataset.check_dataset(dataset, api, f"what dataset_fn returned for pipeline {i}")
+      datasets.append(dataset)
+    return input_dataset.from_datasets(self, datasets, options, api)
+
+  def _place_inputs(self, tensors):
+    """Tensors (N, b, ...) whose row r is replica r's -> the values `run` takes.
+
+    Called in the prefetch thread with the tensors of one element. One replica:
+    each batch itself on the strategy's device; several: PerReplica values.
+    """
+    if self._num_replicas_in_sync == 1:
+      return [self._broadcast(t[0]) for t in tensors]
+    return [PerReplica(tuple(t.unbind(0))) for t in tensors]
+
   def _call_for_each_replica(self, fn, args, kwargs):
     raise NotImplementedError  # every strategy overrides it
 
@@ -436,6 +563,15 @@ class StrategyExtended:
       value = torch.as_tensor(value)
       stacked = value.unsqueeze(0).expand((n,) + tuple(value.shape))
     return _concat_stacked(stacked, axis, "strategy.gather")
+
+
+def _check_input_options(options, api):
+  if options is None:
+    return InputOptions()
+  if not isinstance(options, InputOptions):
+    raise TypeError(f"{api}: options must be an xladist.InputOptions or None, got "
+                    f"{type(options).__name__}.")
+  return options
 
 
 def _group_leaf(components):

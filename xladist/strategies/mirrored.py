@@ -42,6 +42,16 @@ class SPMDExtended(StrategyExtended):
       return tensor
     return _runtime.place_replicated(torch.as_tensor(tensor))
 
+  def _place_inputs(self, tensors):
+    # Row r of each tensor goes straight to replica r's device; the host tensors
+    # of one element are transferred in one call.
+    n = self._num_replicas_in_sync
+    host = [t for t in tensors if t.device.type != "xla"]
+    placed = iter(_runtime.place_split_many(host) if host else ())
+    return [PerReplica._from_stacked(
+        _runtime.place_split(t) if t.device.type == "xla" else next(placed), n)
+            for t in tensors]
+
   def _replica_iota(self):
     if self._iota is None:
       self._iota = _runtime.place_split(

@@ -1,0 +1,10 @@
+"""Distributed input: datasets whose elements are ready for `strategy.run`.
+
+* `options.py`: `InputContext`, `InputOptions`, `InputReplicationMode`.
+* `dataset.py`: `DistributedDataset` and `DistributedIterator` (splitting global
+  batches, padding or dropping partial ones, placing the shards).
+* `prefetch.py`: the background thread that builds and transfers the next
+  elements while the current step runs.
+
+The public names are re-exported by `xladist/__init__.py`.
+"""

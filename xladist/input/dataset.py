@@ -1,0 +1,457 @@
+"""`DistributedDataset` and `DistributedIterator`: input ready for `strategy.run`.
+
+Every element is built in the prefetch thread (`prefetch.py`):
+
+1. the dataset yields a batch: a tensor, or nested tuples, lists, dicts and
+   namedtuples of tensors (numpy arrays are converted; other leaves, e.g.
+   strings, are passed through unchanged);
+2. each tensor becomes a host tensor of shape (N, b, ...) whose row r is replica
+   r's per-replica batch: a global batch of B = N * b rows gives replica r the
+   rows [r * b, (r + 1) * b) (a view, no copy); per-replica batches from
+   `distribute_datasets_from_function` are stacked;
+3. with `experimental_fetch_to_device` the strategy places it: on a
+   MirroredStrategy one transfer sends row r straight to replica r's device and
+   the tensor becomes a `PerReplica`; a single-replica strategy gets the batch
+   itself on its device.
+
+Shapes never change between steps (a new shape is a new XLA program): a batch
+smaller than the first one is padded, dropped or refused according to
+`InputOptions.experimental_partial_batch`.
+"""
+
+import functools
+
+import numpy as np
+import optree
+import torch
+
+from xladist.input import prefetch
+from xladist.input.options import InputReplicationMode
+from xladist.values import DistributedValues, PerReplica
+
+_NOTHING = object()
+
+
+def check_dataset(dataset, api, what="dataset"):
+  """Raises TypeError unless `dataset` can be iterated more than once."""
+  if not hasattr(dataset, "__iter__"):
+    raise TypeError(
+        f"{api}: {what} must be a torch DataLoader or another iterable of batches, "
+        f"got {type(dataset).__name__}.")
+  if hasattr(dataset, "__next__") and iter(dataset) is dataset:
+    raise TypeError(
+        f"{api}: {what} is a one-pass iterator ({type(dataset).__name__}), but each "
+        "epoch iterates the dataset again. Pass a re-iterable object (a DataLoader, "
+        "a list, an IterableDataset whose __iter__ makes a new iterator), e.g. wrap "
+        "a generator function in a class whose __iter__ calls it.")
+
+
+def _flatten(batch):
+  leaves, spec = optree.tree_flatten(batch, none_is_leaf=True)
+  return [torch.from_numpy(x) if isinstance(x, np.ndarray) else x for x in leaves], spec
+
+
+def _batch_size(leaves, api, what):
+  sizes = set()
+  for t in leaves:
+    if isinstance(t, torch.Tensor):
+      if t.dim() == 0:
+        raise ValueError(
+            f"{api}: a {what} holds a scalar tensor ({t!r}); every tensor of a batch "
+            "needs a batch dimension (dim 0) to be split between replicas.")
+      sizes.add(t.shape[0])
+  if not sizes:
+    raise ValueError(f"{api}: a {what} holds no tensor; there is nothing to split "
+                     "between replicas.")
+  if len(sizes) > 1:
+    raise ValueError(
+        f"{api}: the tensors of one {what} have different sizes in dim 0 "
+        f"({sorted(sizes)}); all of them must have the batch size there.")
+  return sizes.pop()
+
+
+def _partial_error(api, what, size, full):
+  return ValueError(
+      f"{api}: a {what} of {size} examples came after {what}es of {full} (the size "
+      f"taken from the first {what}). Every step must have the same shapes (a new "
+      "shape compiles a new XLA program), so xladist does not pad or drop it "
+      "silently: pass options=xd.InputOptions(experimental_partial_batch='mask') to "
+      "pad it and get a mask of the real rows, or "
+      "experimental_partial_batch='drop' to skip it (or batch with drop_last=True).")
+
+
+def _larger_error(api, what, size, full):
+  return ValueError(
+      f"{api}: a {what} of {size} examples came after a first {what} of {full}; the "
+      f"{what} size is taken from the first {what} and later ones may only be "
+      "smaller (a partial last batch). Give every batch the same size.")
+
+
+class _Builder:
+  """Turns host batches into elements (runs in the prefetch thread)."""
+
+  def __init__(self, num_replicas, options, place):
+    self.n = num_replicas
+    self.partial = options.experimental_partial_batch
+    self.place = place
+
+  def element(self, spec, leaves, mask):
+    """`leaves`: (N, b, ...) host tensors and passed-through values."""
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    if mask is not None:
+      tensors.append(mask)
+    placed = iter(self.place(tensors))
+    out = optree.tree_unflatten(
+        spec, [next(placed) if isinstance(x, torch.Tensor) else x for x in leaves])
+    if mask is not None:
+      return out, next(placed)
+    return out
+
+  def from_global(self, leaves, size, full):
+    """A global batch of `size` rows (`full` rows when complete) -> stacked leaves."""
+    n, b = self.n, full // self.n
+    out = []
+    for t in leaves:
+      if isinstance(t, torch.Tensor):
+        if size < full:
+          padded = t.new_zeros((full,) + tuple(t.shape[1:]))
+          padded[:size] = t
+          t = padded
+        t = t.reshape((n, b) + tuple(t.shape[1:]))
+      out.append(t)
+    mask = None
+    if self.partial == "mask":
+      mask = (torch.arange(full) < size).to(torch.float32).reshape(n, b)
+    return out, mask
+
+  def from_chunks(self, chunks, sizes, b):
+    """N per-replica leaf lists (None: no data for that replica) -> stacked leaves."""
+    template = next(c for c in chunks if c is not None)
+    full = all(s == b for s in sizes)
+    out = []
+    for j, leaf in enumerate(template):
+      if isinstance(leaf, torch.Tensor):
+        if full:
+          out.append(torch.stack([c[j] for c in chunks]))
+        else:
+          stacked = leaf.new_zeros((self.n, b) + tuple(leaf.shape[1:]))
+          for r, c in enumerate(chunks):
+            if c is not None:
+              stacked[r, :sizes[r]] = c[j]
+          out.append(stacked)
+      else:
+        values = [template[j] if c is None else c[j] for c in chunks]
+        out.append(_group_plain(values))
+    mask = None
+    if self.partial == "mask":
+      mask = torch.stack([(torch.arange(b) < s).to(torch.float32) for s in sizes])
+    return out, mask
+
+
+def _group_plain(values):
+  """Per-replica non-tensor leaves: one value if all are equal, else a PerReplica."""
+  first = values[0]
+  try:
+    if all(v == first for v in values[1:]):
+      return first
+  except (TypeError, ValueError, RuntimeError):
+    pass
+  return PerReplica(values)
+
+
+def _global_batch_elements(dataset, builder, api):
+  """Elements of `experimental_distribute_dataset` (the dataset yields global batches)."""
+  full = None
+  for batch in dataset:
+    leaves, spec = _flatten(batch)
+    size = _batch_size(leaves, api, "batch")
+    if full is None:
+      full = size
+      if full % builder.n:
+        raise ValueError(
+            f"{api}: the global batch size {full} (taken from the first batch) is "
+            f"not divisible by the {builder.n} replicas in sync; each replica must "
+            f"get the same number of rows. Use a batch size that is a multiple of "
+            f"{builder.n}.")
+    if size > full:
+      raise _larger_error(api, "batch", size, full)
+    if size < full:
+      if builder.partial is None:
+        raise _partial_error(api, "batch", size, full)
+      if builder.partial == "drop":
+        continue
+    stacked, mask = builder.from_global(leaves, size, full)
+    yield builder.element(spec, stacked, mask)
+
+
+def _next_or_none(iterator, done, i):
+  if done[i]:
+    return None
+  try:
+    return next(iterator)
+  except StopIteration:
+    done[i] = True
+    return None
+
+
+def _per_replica_elements(datasets, per_worker, builder, api):
+  """Elements of `distribute_datasets_from_function` (per-replica batches).
+
+  `per_worker`: one pipeline whose consecutive elements go to replicas 0..N-1;
+  else one pipeline per replica.
+  """
+  n = builder.n
+  iterators = [iter(d) for d in datasets]
+  done = [False] * len(iterators)
+  b = None
+  while True:
+    if per_worker:
+      raw = [_next_or_none(iterators[0], done, 0) for _ in range(n)]
+    else:
+      raw = [_next_or_none(it, done, r) for r, it in enumerate(iterators)]
+    if all(x is None for x in raw):
+      return
+    chunks, sizes, spec = [], [], None
+    for x in raw:
+      if x is None:
+        chunks.append(None)
+        sizes.append(0)
+        continue
+      leaves, s = _flatten(x)
+      if spec is None:
+        spec = s
+      elif s != spec:
+        raise ValueError(
+            f"{api}: the replicas' batches of one step have different structures "
+            f"({spec} vs {s}); every pipeline must yield the same structure.")
+      chunks.append(leaves)
+      sizes.append(_batch_size(leaves, api, "per-replica batch"))
+    if b is None:
+      b = next(s for s in sizes if s)
+    for s in sizes:
+      if s > b:
+        raise _larger_error(api, "per-replica batch", s, b)
+    if any(s < b for s in sizes):
+      if builder.partial is None:
+        raise _partial_error(api, "per-replica batch", min(sizes), b)
+      if builder.partial == "drop":
+        continue
+    stacked, mask = builder.from_chunks(chunks, sizes, b)
+    yield builder.element(spec, stacked, mask)
+
+
+def _host_place(num_replicas, tensors):
+  """fetch_to_device=False: per-replica host tensors (one replica: the batch)."""
+  if num_replicas == 1:
+    return [t[0] for t in tensors]
+  return [PerReplica(tuple(t.unbind(0))) for t in tensors]
+
+
+def _placer(extended, options):
+  if options.experimental_fetch_to_device or options.experimental_place_dataset_on_device:
+    return extended._place_inputs
+  return functools.partial(_host_place, extended._num_replicas_in_sync)
+
+
+def from_dataset(extended, dataset, options, api):
+  """The DistributedDataset of `experimental_distribute_dataset`."""
+  builder = _Builder(extended._num_replicas_in_sync, options, _placer(extended, options))
+  return DistributedDataset._make(
+      functools.partial(_global_batch_elements, dataset, builder, api), options)
+
+
+def from_datasets(extended, datasets, options, api):
+  """The DistributedDataset of `distribute_datasets_from_function`."""
+  builder = _Builder(extended._num_replicas_in_sync, options, _placer(extended, options))
+  per_worker = options.experimental_replication_mode is InputReplicationMode.PER_WORKER
+  return DistributedDataset._make(
+      functools.partial(_per_replica_elements, datasets, per_worker, builder, api),
+      options)
+
+
+def _leaf_spec(leaf):
+  if isinstance(leaf, PerReplica):
+    if leaf._stacked is not None:
+      return leaf._stacked.shape[1:], leaf._stacked.dtype
+    first = leaf.values[0]
+    if isinstance(first, torch.Tensor):
+      return first.shape, first.dtype
+    return type(first)
+  if isinstance(leaf, torch.Tensor):
+    return leaf.shape, leaf.dtype
+  return type(leaf)
+
+
+def _element_spec(element):
+  leaves, spec = optree.tree_flatten(
+      element, is_leaf=lambda x: isinstance(x, DistributedValues), none_is_leaf=True)
+  return optree.tree_unflatten(spec, [_leaf_spec(x) for x in leaves])
+
+
+class DistributedDataset:
+  """A dataset whose elements are ready for `strategy.run` (one per step).
+
+  Made by `strategy.experimental_distribute_dataset` or
+  `strategy.distribute_datasets_from_function`. Each `iter()` starts a new epoch
+  (the underlying dataset is iterated again) and returns a
+  `DistributedIterator` with its own prefetch thread.
+
+  Example, 2 replicas, global batches of 4 rows::
+
+    dist = strategy.experimental_distribute_dataset(DataLoader(data, batch_size=4))
+    for x, y in dist:     # x, y: PerReplica; replica 0 has rows 0-1, replica 1 rows 2-3
+      loss = strategy.run(step, args=(x, y))
+  """
+
+  def __init__(self):
+    raise TypeError(
+        "DistributedDataset cannot be made directly; use "
+        "strategy.experimental_distribute_dataset(dataset) or "
+        "strategy.distribute_datasets_from_function(dataset_fn).")
+
+  @classmethod
+  def _make(cls, make_elements, options):
+    self = cls.__new__(cls)
+    self._make_elements = make_elements
+    self._options = options
+    return self
+
+  def __iter__(self):
+    return DistributedIterator._make(self._make_elements,
+                                     self._options.experimental_per_replica_buffer_size)
+
+  @property
+  def element_spec(self):
+    """The structure of (shape, dtype) pairs of each replica's part of an element.
+
+    Reads the first element of a new epoch (with its own prefetch thread) to
+    find out; see `DistributedIterator.element_spec`.
+    """
+    it = iter(self)
+    try:
+      return it.element_spec
+    finally:
+      it.close()
+
+
+class OptionalElement:
+  """What `DistributedIterator.get_next_as_optional` returns (TF's tf.experimental.Optional)."""
+
+  __slots__ = ("_value",)
+
+  def __init__(self, value=_NOTHING):
+    self._value = value
+
+  def has_value(self):
+    """True when the iterator had an element."""
+    return self._value is not _NOTHING
+
+  def get_value(self):
+    """The element.
+
+    Raises:
+      ValueError: the optional is empty (the iterator was exhausted).
+    """
+    if self._value is _NOTHING:
+      raise ValueError(
+          "OptionalElement.get_value: the optional is empty because the "
+          "DistributedIterator had no more elements; check has_value() first.")
+    return self._value
+
+  def __repr__(self):
+    return f"OptionalElement(has_value={self.has_value()})"
+
+
+class DistributedIterator:
+  """Iterates one epoch of a `DistributedDataset`; elements go to `strategy.run`.
+
+  A background thread ("xladist-prefetch-<k>") reads the dataset, builds the
+  next `experimental_per_replica_buffer_size` elements and transfers them to the
+  replicas' devices while the current step runs. An exception raised in the
+  dataset is re-raised by the `next()` that would have returned that element,
+  with the dataset's frames in its traceback. The thread ends when the epoch
+  is exhausted, when `close()` is called and when the iterator is
+  garbage-collected.
+  """
+
+  def __init__(self):
+    raise TypeError("DistributedIterator cannot be made directly; call "
+                    "iter(distributed_dataset).")
+
+  @classmethod
+  def _make(cls, make_elements, depth):
+    self = cls.__new__(cls)
+    self._peeked = _NOTHING
+    self._spec = None
+    self._prefetcher = prefetch.Prefetcher(self, make_elements, depth)
+    return self
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    return self.get_next()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+    return False
+
+  def _take(self):
+    element = self._prefetcher.get()
+    if self._spec is None:
+      self._spec = _element_spec(element)
+    return element
+
+  def get_next(self):
+    """The next element (what `strategy.run` takes as an argument).
+
+    Raises:
+      StopIteration: the epoch is over (TF raises OutOfRangeError).
+      Exception: whatever the dataset raised while making this element, or a
+        ValueError for a batch of the wrong size (see InputOptions).
+    """
+    if self._peeked is not _NOTHING:
+      element, self._peeked = self._peeked, _NOTHING
+      return element
+    return self._take()
+
+  def get_next_as_optional(self):
+    """An `OptionalElement`: the next element, or empty at the end of the epoch."""
+    try:
+      return OptionalElement(self.get_next())
+    except StopIteration:
+      return OptionalElement()
+
+  @property
+  def element_spec(self):
+    """The structure of the elements with each leaf described per replica.
+
+    The element's structure (tuples, lists, dicts, namedtuples, and the
+    `(element, mask)` pair with `experimental_partial_batch="mask"`) with each
+    tensor or PerReplica leaf replaced by a pair `(torch.Size, torch.dtype)`:
+    the shape and dtype of ONE replica's part (e.g. `(torch.Size([b, 3]),
+    torch.float32)` for a global batch of N*b rows of 3 features), and every
+    other leaf replaced by its type. All elements have the same spec (shapes
+    never change between steps). Waits for the first element if none was read
+    yet; it is kept and returned by the next `get_next()`.
+
+    Raises:
+      ValueError: the epoch has no element to describe.
+    """
+    if self._spec is None:
+      try:
+        self._peeked = self._take()
+      except StopIteration:
+        raise ValueError(
+            "DistributedIterator.element_spec: the dataset produced no element, so "
+            "there is nothing to describe; check that the dataset is not "
+            "empty.") from None
+    return self._spec
+
+  def close(self):
+    """Stops the prefetch thread and waits for it; later `next()` calls stop."""
+    self._peeked = _NOTHING
+    self._prefetcher.close()
