@@ -54,7 +54,8 @@ from xladist.strategies.mirrored import MirroredStrategy
 from xladist.strategies.one_device import OneDeviceStrategy
 from xladist.strategy import Strategy, StrategyExtended
 from xladist.values import DistributedValues, Mirrored, PerReplica
-from xladist import experimental
+from xladist.variables import Variable, VariableAggregation, VariableSynchronization
+from xladist import experimental, nn
 
 __version__ = "0.1.0"
 
@@ -66,4 +67,5 @@ __all__ = [
     "current_strategy", "current_update_device", "experimental",
     "experimental_set_strategy", "get_cross_replica_context", "get_replica_context",
     "get_strategy", "get_tower_context", "has_strategy", "in_cross_replica_context",
+    "Variable", "VariableAggregation", "VariableSynchronization", "nn",
 ]

@@ -36,7 +36,7 @@ class Region:
     self.strategy = strategy
     self.num_replicas = strategy.num_replicas_in_sync
     self.active = True
-    self.step = Step()
+    self.step = Step(self)
     self._replica_id = None
 
   # -- replica id ---------------------------------------------------------------

@@ -200,6 +200,13 @@ def to_local(global_tensor):
   return _xlac()._spmd_full_to_shard_shape(global_tensor)
 
 
+def ir_id(tensor):
+  """An id of the IR value (or device data) behind an XLA tensor: it changes when
+  the tensor is written (in place, by `.data =`, or by a torch_xla kernel such as
+  batch norm's running-statistics update, which does not bump `_version`)."""
+  return _xlac()._unique_id_for_ir_and_data(tensor)
+
+
 def mark(tensor, op_sharding):
   _xlac()._xla_mark_sharding(tensor, op_sharding)
 

@@ -19,7 +19,8 @@ import weakref
 import torch
 from torch.nn.modules import module as torch_module
 
-from xladist import _runtime
+from xladist import _runtime, collectives, variables
+from xladist.reduce_util import ReduceOp
 
 
 class VariableStore:
@@ -36,6 +37,17 @@ class VariableStore:
     self._optimizer_ids = set()
     self._hook_handles = None
     self._scope_depth = 0
+    self._overrides = []  # tower_local_var_scope policies, innermost last
+
+  @property
+  def policy_override(self):
+    return self._overrides[-1] if self._overrides else None
+
+  def push_override(self, policy):
+    self._overrides.append(policy)
+
+  def pop_override(self):
+    self._overrides.pop()
 
   # -- scope ----------------------------------------------------------------
   def enter_scope(self):
@@ -59,6 +71,8 @@ class VariableStore:
       self.place_pending()
 
   def _on_register(self, module, name, tensor):
+    if tensor is not None and self._overrides and not variables.has_explicit_policy(tensor):
+      variables.set_policy(tensor, self._overrides[-1])
     key = id(module)
     if key not in self._module_ids:
       self._module_ids.add(key)
@@ -70,6 +84,9 @@ class VariableStore:
   def _on_submodule(self, parent, name, submodule):
     if submodule is not None:
       for m in submodule.modules():
+        for t in list(m._parameters.values()) + list(m._buffers.values()):
+          if t is not None:
+            self._on_register(m, None, t)
         if m._parameters or m._buffers:
           self._on_register(m, None, None)
     return None
@@ -114,6 +131,7 @@ class VariableStore:
       return
     if isinstance(t, torch.nn.Parameter):
       placed = torch.nn.Parameter(placed, requires_grad=t.requires_grad)
+    variables.carry_policy(t, placed)  # swap_tensors swaps the objects' __dict__
     try:
       torch.utils.swap_tensors(t, placed)
     except RuntimeError as e:
@@ -124,6 +142,12 @@ class VariableStore:
           "tensor kept from running the module inside the scope). Drop such "
           "references before the scope is left; the move is retried then and "
           f"before each strategy.run. (torch: {e})") from None
+
+  def tracks(self, tensor):
+    """True when `tensor` is a parameter or buffer of a module this store tracks."""
+    return any(t is tensor for t in self.variables()) or any(
+        t is tensor for m in self.modules()
+        for t in list(m._parameters.values()) + list(m._buffers.values()))
 
   def modules(self):
     for ref in self._modules:
@@ -158,14 +182,20 @@ class VariableStore:
   def enter(self, step):
     """Swaps every variable (and its grad) and optimizer state for its local view.
 
-    `step` (a `Step`) records what was swapped, so that `exit` and `restore`
-    touch exactly those tensors.
+    `step` (a `Step`) records what was swapped and the IR identity of each
+    local view, so that `exit` converts back only what the step wrote.
     """
-    to_local = _runtime.to_local
+    to_local, uid = _runtime.to_local, _runtime.ir_id
     for t in self.variables():
       data, grad = t.data, t.grad
-      step.variables.append((t, data, grad))
-      t.data = to_local(data)  # placed by xladist: always carries a sharding
+      policy = variables.policy_of(t)
+      local = to_local(_runtime.ensure_sharded(data))
+      if policy.on_read and policy.aggregation is variables.VariableAggregation.SUM:
+        # Replica 0 holds the total, the others start from 0: the sum read
+        # back is exact.
+        local = torch.where(step.region.replica_id == 0, local, torch.zeros_like(local))
+      t.data = local
+      step.variables.append((t, data, grad, policy, uid(t)))
       if grad is not None:
         t.grad = to_local(_runtime.ensure_sharded(grad))
     for optimizer in self.optimizers():
@@ -181,23 +211,38 @@ class VariableStore:
   def exit(step, to_global):
     """Swaps the local views back for global ones.
 
+    A variable the step did not write gets its global tensor back untouched
+    (its local view then is not part of the program). A written mirrored
+    variable leaves the region as is; written sync-on-read variables are
+    combined with their aggregation in one packed all-reduce per kind.
     Gradients that an optimizer stepped in this step are released (as
     `zero_grad(set_to_none=True)` would); others (accumulated by a step that
     did not call `optimizer.step()`) are kept.
     """
+    uid = _runtime.ir_id
     stepped = step.stepped
-    for t, _, _ in step.variables:
-      t.data = to_global(t.data)
+    on_read = {}
+    for t, data, _, policy, local_id in step.variables:
+      if uid(t) == local_id:
+        t.data = data
+      elif policy.on_read:
+        on_read.setdefault(policy.aggregation, []).append(t)
+      else:
+        t.data = to_global(t.data)
       if t.grad is not None:
         t.grad = None if id(t) in stepped else to_global(t.grad)
-    for optimizer, _ in step.optimizers:
+    for aggregation, tensors in on_read.items():
+      combined = _aggregate(step.region, aggregation, [t.data for t in tensors])
+      for t, value in zip(tensors, combined):
+        t.data = to_global(value)
+    for optimizer, snapshot in step.optimizers:
       for state, key, v in list(VariableStore.optimizer_state_slots(optimizer)):
         state[key] = to_global(v)
 
   @staticmethod
   def restore(step):
     """Puts back the global tensors saved by `enter` (after a failed trace)."""
-    for t, data, grad in step.variables:
+    for t, data, grad, _, _ in step.variables:
       t.data = data
       t.grad = grad
     for optimizer, snapshot in step.optimizers:
@@ -205,18 +250,29 @@ class VariableStore:
       optimizer.state.update(snapshot)
 
 
+def _aggregate(region, aggregation, tensors):
+  """Combines the replicas' copies of sync-on-read variables (one all-reduce per dtype)."""
+  agg = variables.VariableAggregation
+  if aggregation in (agg.NONE, agg.ONLY_FIRST_REPLICA):
+    first = region.replica_id == 0
+    tensors = [torch.where(first, t, torch.zeros_like(t)) for t in tensors]
+    return collectives.all_reduce(ReduceOp.SUM, tensors, region.num_replicas)
+  return collectives.all_reduce(ReduceOp[aggregation.name], tensors, region.num_replicas)
+
+
 class Step:
   """What one `run` swapped into its region."""
 
-  __slots__ = ("variables", "optimizers", "stepped", "variable_ids")
+  __slots__ = ("region", "variables", "optimizers", "stepped", "variable_ids")
 
-  def __init__(self):
-    self.variables = []   # (tensor, global data, global grad)
+  def __init__(self, region):
+    self.region = region
+    self.variables = []   # (tensor, global data, global grad, policy, local IR id)
     self.optimizers = []  # (optimizer, state snapshot)
     self.stepped = set()  # ids of parameters an optimizer stepped
     self.variable_ids = None
 
   def is_variable(self, tensor):
     if self.variable_ids is None:
-      self.variable_ids = {id(t) for t, _, _ in self.variables}
+      self.variable_ids = {id(t) for t, *_ in self.variables}
     return id(tensor) in self.variable_ids

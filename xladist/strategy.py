@@ -317,6 +317,49 @@ class Strategy:
       dataset = dataset_fn()
     return self.experimental_distribute_dataset(dataset)
 
+  def tower_local_var_scope(self, reduce_method):
+    """Legacy (tf.contrib): state created inside is sync-on-read with `reduce_method`.
+
+    Parameters, buffers and `xladist.Variable`s made inside (under this
+    strategy's scope) become ON_READ variables aggregated with `reduce_method`
+    ("sum", "mean", a ReduceOp or a VariableAggregation): each replica updates
+    its own copy in a step; read in cross-replica context, they are combined.
+    Every replica starts from the same initial value, even a random one.
+
+    Raises:
+      RuntimeError: not inside this strategy's scope.
+    """
+    from xladist import variables
+    aggregation = variables.as_aggregation(
+        reduce_method.name if hasattr(reduce_method, "name") else reduce_method,
+        "tower_local_var_scope")
+    if context.get_strategy() is not self or not context.in_cross_replica_context():
+      raise RuntimeError(
+          "tower_local_var_scope must be entered inside this strategy's scope() "
+          "(cross-replica context): with strategy.scope(), "
+          "strategy.tower_local_var_scope(...): ...")
+    policy = variables.Policy(variables.VariableSynchronization.ON_READ, aggregation)
+    return _OverrideScope(self._extended, policy)
+
+  tower_local_variable_scope = tower_local_var_scope  # the Scala API's name
+
+  def colocate_vars_with(self, colocate_with_variable):
+    """Legacy name of `extended.colocate_vars_with`."""
+    return self._extended.colocate_vars_with(colocate_with_variable)
+
+  colocate_variables_with = colocate_vars_with  # the Scala API's name
+
+  def non_slot_devices(self, var_list):
+    return self._extended.non_slot_devices(var_list)
+
+  def update(self, var, fn, *args, **kwargs):
+    """Legacy: `extended.update(var, fn, args, kwargs)`."""
+    return self._extended.update(var, fn, args, kwargs)
+
+  def update_non_slot(self, colocate_with, fn, *args, **kwargs):
+    """Legacy: `extended.update_non_slot(colocate_with, fn, args, kwargs)`."""
+    return self._extended.update_non_slot(colocate_with, fn, args, kwargs)
+
   # -- legacy tf.contrib.distribute ("tower") names and the Scala API ---------
   def call_for_each_tower(self, fn, *args, **kwargs):
     """Legacy name of `extended.call_for_each_replica(fn, args, kwargs)`."""
@@ -467,6 +510,105 @@ class StrategyExtended:
           "reduce it first.")
     return self._to_destinations(self._broadcast(tensor), destinations)
 
+  # -- variables ------------------------------------------------------------------
+  def update(self, var, fn, args=(), kwargs=None, group=True):
+    """Runs `fn(var, *args, **kwargs)` to update a variable, in an update context.
+
+    Allowed in cross-replica context: in a strategy's scope and inside
+    `merge_fn` of a merge_call (where `var` is the replica's view of the
+    mirrored variable and the update is traced once for all replicas). Inside,
+    `current_update_device()` is the variable's device. `args` must be the same
+    on every replica (tensors or Mirrored values, not PerReplica).
+
+    Returns:
+      What `fn` returned (a Mirrored of it when `group` is True and there are
+      several replicas), or, with `group=False`, a tuple of per-replica results.
+
+    Raises:
+      RuntimeError: called in a replica context.
+      ValueError: an argument is a PerReplica, or `var` is not a variable of
+        this strategy.
+    """
+    _require_cross_replica(self._strategy_ref, "extended.update",
+                           "Use get_replica_context().merge_call() to get there.")
+    if not self.variable_created_in_scope(var):
+      raise ValueError(
+          f"extended.update: {_describe(var)} is not a variable of "
+          f"{self._strategy_ref!r}; create it under strategy.scope().")
+    return self._run_update(_variable_tensor(var), lambda: fn(var, *args, **(kwargs or {})),
+                            args, kwargs, group, "extended.update")
+
+  def update_non_slot(self, colocate_with, fn, args=(), kwargs=None, group=True):
+    """Runs `fn(*args, **kwargs)` in an update context (for non-slot state)."""
+    _require_cross_replica(self._strategy_ref, "extended.update_non_slot",
+                           "Use get_replica_context().merge_call() to get there.")
+    return self._run_update(None, lambda: fn(*args, **(kwargs or {})), args, kwargs,
+                            group, "extended.update_non_slot")
+
+  def _run_update(self, tensor, call, args, kwargs, group, api):
+    leaves, _ = flatten((args, kwargs or {}))
+    if any(isinstance(x, PerReplica) for x in leaves):
+      raise ValueError(
+          f"{api}: the arguments must be the same on every replica (tensors or "
+          "Mirrored values), got a PerReplica; reduce it first (strategy.reduce or "
+          "extended.reduce_to).")
+    device = tensor.device if tensor is not None else self._current_device()
+    mode = context._Mode(self._strategy_ref, cross_replica=self._strategy_ref,
+                         update_device=device)
+    context.push(mode)
+    try:
+      result = call()
+    finally:
+      context.pop(mode)
+    n = self._num_replicas_in_sync
+    if not group:
+      return (result,) * n
+    if n > 1 and isinstance(result, torch.Tensor):
+      return Mirrored._from_primary(result, n)
+    return result
+
+  def non_slot_devices(self, var_list):
+    """Where non-slot state lives: every replica's device (all state is mirrored)."""
+    return self.worker_devices
+
+  def colocate_vars_with(self, colocate_with_variable):
+    """A context in which new variables are placed with `colocate_with_variable`.
+
+    Every variable of an xladist strategy lives on all of its replicas' devices,
+    so new ones already are; the context checks its argument.
+
+    Raises:
+      ValueError: the argument is not a variable of this strategy.
+    """
+    if not self.variable_created_in_scope(colocate_with_variable):
+      raise ValueError(
+          f"colocate_vars_with: {_describe(colocate_with_variable)} is not a "
+          f"variable of {self._strategy_ref!r}.")
+    return _Colocation()
+
+  def value_container(self, value):
+    """The variable holding `value`: an xladist.Variable for its value tensor,
+    else `value` itself (tensors are their own containers)."""
+    from xladist import variables
+    for module in self._store.modules():
+      if isinstance(module, variables.Variable) and module.value_ is value:
+        return module
+    return value
+
+  def read_var(self, var):
+    """The value of `var` in cross-replica context: one copy of a mirrored
+    variable, the aggregate of a sync-on-read one (a tensor)."""
+    _require_cross_replica(self._strategy_ref, "extended.read_var",
+                           "Read the variable directly inside a step.")
+    return _variable_tensor(var).detach().clone()
+
+  def variable_created_in_scope(self, v):
+    """True when `v` (a parameter, buffer or xladist.Variable) is a variable of this strategy."""
+    store = self._store
+    if isinstance(v, torch.nn.Module):
+      return any(m is v for m in store.modules())
+    return isinstance(v, torch.Tensor) and store.tracks(v)
+
   def _to_destinations(self, value, destinations):
     many = isinstance(destinations, DistributedValues) or (
         isinstance(destinations, (list, tuple)) and len(destinations) > 1)
@@ -563,6 +705,40 @@ class StrategyExtended:
       value = torch.as_tensor(value)
       stacked = value.unsqueeze(0).expand((n,) + tuple(value.shape))
     return _concat_stacked(stacked, axis, "strategy.gather")
+
+
+class _OverrideScope:
+  """The context manager of tower_local_var_scope."""
+
+  def __init__(self, extended, policy):
+    self._store, self._policy = extended._store, policy
+
+  def __enter__(self):
+    self._store.push_override(self._policy)
+    return self
+
+  def __exit__(self, *exc):
+    self._store.pop_override()
+    return False
+
+
+class _Colocation:
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    return False
+
+
+def _variable_tensor(var):
+  from xladist import variables
+  return var.value_ if isinstance(var, variables.Variable) else var
+
+
+def _describe(var):
+  if isinstance(var, torch.Tensor):
+    return f"a {type(var).__name__} of shape {tuple(var.shape)}"
+  return f"a {type(var).__name__}"
 
 
 def _check_input_options(options, api):

@@ -16,7 +16,10 @@ class SingleReplicaExtended(StrategyExtended):
     super().__init__(strategy)
     self._device = device  # None: leave tensors where they are (default strategy)
     self._device_names = (str(device) if device is not None else "cpu",)
-    self._store = VariableStore(self._place_variable) if device is not None else None
+    # The default strategy (device None) places nothing but still tracks what
+    # its scope makes (variable_created_in_scope, tower_local_var_scope).
+    self._store = VariableStore(
+        self._place_variable if device is not None else lambda tensor: None)
 
   def _place_variable(self, tensor):
     return None if tensor.device == self._device else self._place(tensor)
@@ -27,12 +30,10 @@ class SingleReplicaExtended(StrategyExtended):
     return tensor.detach().to(self._device)
 
   def _enter_scope(self):
-    if self._store is not None:
-      self._store.enter_scope()
+    self._store.enter_scope()
 
   def _exit_scope(self):
-    if self._store is not None:
-      self._store.exit_scope()
+    self._store.exit_scope()
 
   def _current_device(self):
     return self._device if self._device is not None else torch.device("cpu")
@@ -50,8 +51,7 @@ class SingleReplicaExtended(StrategyExtended):
     return value
 
   def _call_for_each_replica(self, fn, args, kwargs):
-    if self._store is not None:
-      self._store.place_pending()
+    self._store.place_pending()
     leaves, spec = flatten((args, kwargs))
     args, kwargs = unflatten(spec, [self._enter_value(x) for x in leaves])
     strategy = self._strategy_ref
