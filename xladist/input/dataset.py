@@ -159,10 +159,19 @@ def _group_plain(values):
   return PerReplica(values)
 
 
-def _global_batch_elements(dataset, builder, api):
-  """Elements of `experimental_distribute_dataset` (the dataset yields global batches)."""
+def _global_batch_elements(dataset, builder, api, skip=0):
+  """Elements of `experimental_distribute_dataset` (the dataset yields global batches).
+
+  Calls `iter(dataset)` at once (in the caller's thread); the elements are made
+  as the returned generator is iterated. The first `skip` elements are read
+  and checked but not built or transferred.
+  """
+  return _global_batches(iter(dataset), builder, api, skip)
+
+
+def _global_batches(batches, builder, api, skip):
   full = None
-  for batch in dataset:
+  for batch in batches:
     leaves, spec = _flatten(batch)
     size = _batch_size(leaves, api, "batch")
     if full is None:
@@ -180,6 +189,9 @@ def _global_batch_elements(dataset, builder, api):
         raise _partial_error(api, "batch", size, full)
       if builder.partial == "drop":
         continue
+    if skip:
+      skip -= 1
+      continue
     stacked, mask = builder.from_global(leaves, size, full)
     yield builder.element(spec, stacked, mask)
 
@@ -194,14 +206,20 @@ def _next_or_none(iterator, done, i):
     return None
 
 
-def _per_replica_elements(datasets, per_worker, builder, api):
+def _per_replica_elements(datasets, per_worker, builder, api, skip=0):
   """Elements of `distribute_datasets_from_function` (per-replica batches).
 
   `per_worker`: one pipeline whose consecutive elements go to replicas 0..N-1;
-  else one pipeline per replica.
+  else one pipeline per replica. Calls `iter()` on the datasets at once (in the
+  caller's thread); the elements are made as the returned generator is
+  iterated. The first `skip` elements are read and checked but not built or
+  transferred.
   """
+  return _per_replica_batches([iter(d) for d in datasets], per_worker, builder, api, skip)
+
+
+def _per_replica_batches(iterators, per_worker, builder, api, skip):
   n = builder.n
-  iterators = [iter(d) for d in datasets]
   done = [False] * len(iterators)
   b = None
   while True:
@@ -236,6 +254,9 @@ def _per_replica_elements(datasets, per_worker, builder, api):
         raise _partial_error(api, "per-replica batch", min(sizes), b)
       if builder.partial == "drop":
         continue
+    if skip:
+      skip -= 1
+      continue
     stacked, mask = builder.from_chunks(chunks, sizes, b)
     yield builder.element(spec, stacked, mask)
 
@@ -257,7 +278,8 @@ def from_dataset(extended, dataset, options, api):
   """The DistributedDataset of `experimental_distribute_dataset`."""
   builder = _Builder(extended._num_replicas_in_sync, options, _placer(extended, options))
   return DistributedDataset._make(
-      functools.partial(_global_batch_elements, dataset, builder, api), options)
+      functools.partial(_global_batch_elements, dataset, builder, api), options,
+      _Layout(builder.n, global_batches=True))
 
 
 def from_datasets(extended, datasets, options, api):
@@ -266,7 +288,23 @@ def from_datasets(extended, datasets, options, api):
   per_worker = options.experimental_replication_mode is InputReplicationMode.PER_WORKER
   return DistributedDataset._make(
       functools.partial(_per_replica_elements, datasets, per_worker, builder, api),
-      options)
+      options, _Layout(builder.n, global_batches=False))
+
+
+class _Layout:
+  """What one element of a dataset is, for checkpoints of an iterator's position.
+
+  `global_batches`: an element is one batch of the user's dataset, whatever the
+  replica count (`experimental_distribute_dataset`); else an element is one
+  per-replica batch per replica, so a position means different data with
+  another replica count.
+  """
+
+  __slots__ = ("num_replicas", "global_batches")
+
+  def __init__(self, num_replicas, global_batches):
+    self.num_replicas = num_replicas
+    self.global_batches = global_batches
 
 
 def _leaf_spec(leaf):
@@ -310,15 +348,17 @@ class DistributedDataset:
         "strategy.distribute_datasets_from_function(dataset_fn).")
 
   @classmethod
-  def _make(cls, make_elements, options):
+  def _make(cls, make_elements, options, layout):
     self = cls.__new__(cls)
     self._make_elements = make_elements
     self._options = options
+    self._layout = layout
     return self
 
   def __iter__(self):
     return DistributedIterator._make(self._make_elements,
-                                     self._options.experimental_per_replica_buffer_size)
+                                     self._options.experimental_per_replica_buffer_size,
+                                     self._layout)
 
   @property
   def element_spec(self):
@@ -379,10 +419,14 @@ class DistributedIterator:
                     "iter(distributed_dataset).")
 
   @classmethod
-  def _make(cls, make_elements, depth):
+  def _make(cls, make_elements, depth, layout):
     self = cls.__new__(cls)
     self._peeked = _NOTHING
     self._spec = None
+    self._make_elements = make_elements
+    self._depth = depth
+    self._layout = layout
+    self._position = 0
     self._prefetcher = prefetch.Prefetcher(self, make_elements, depth)
     return self
 
@@ -415,8 +459,10 @@ class DistributedIterator:
     """
     if self._peeked is not _NOTHING:
       element, self._peeked = self._peeked, _NOTHING
-      return element
-    return self._take()
+    else:
+      element = self._take()
+    self._position += 1
+    return element
 
   def get_next_as_optional(self):
     """An `OptionalElement`: the next element, or empty at the end of the epoch."""
@@ -450,6 +496,23 @@ class DistributedIterator:
             "there is nothing to describe; check that the dataset is not "
             "empty.") from None
     return self._spec
+
+  def _restart_at(self, position):
+    """Restarts the epoch so that the next element is element `position` (from 0).
+
+    Used to restore a checkpoint. The dataset is iterated again from its start
+    and its first `position` elements are read and checked but neither built
+    nor transferred to the devices; elements this iterator had prefetched are
+    discarded. `_position` counts the elements `next()` returned in this epoch,
+    never the ones only prefetched.
+    """
+    self._prefetcher.close()
+    self._peeked = _NOTHING
+    self._position = position
+    make = self._make_elements
+    if position:
+      make = functools.partial(make, skip=position)
+    self._prefetcher = prefetch.Prefetcher(self, make, self._depth)
 
   def close(self):
     """Stops the prefetch thread and waits for it; later `next()` calls stop."""

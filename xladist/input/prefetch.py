@@ -38,10 +38,10 @@ def _put(q, stop, entry):
   return False
 
 
-def _work(make_elements, q, stop):
-  elements = None
+def _work(elements, error, q, stop):
   try:
-    elements = make_elements()
+    if error is not None:
+      raise error
     for element in elements:
       if not _put(q, stop, (_ITEM, element)):
         return
@@ -70,19 +70,30 @@ def _shutdown(q, stop, thread):
 
 
 class Prefetcher:
-  """Runs `make_elements()` (a function returning an iterator) in a thread.
+  """Iterates `make_elements()` (a function returning an iterator) in a thread.
+
+  `make_elements` is called in the caller's thread, so that what it does at
+  once (a DataLoader's `iter()` draws a seed from torch's global generator)
+  happens at a reproducible point of the program, not at a time that depends
+  on thread scheduling; an exception it raises is re-raised by the first
+  `get()`, like one raised while iterating.
 
   Args:
     owner: the object whose garbage collection stops the thread.
-    make_elements: called in the thread; returns an iterator of elements.
+    make_elements: returns an iterator of elements; iterated in the thread.
     depth: how many elements may wait in the queue (>= 1).
   """
 
   def __init__(self, owner, make_elements, depth):
+    elements, error = None, None
+    try:
+      elements = make_elements()
+    except Exception as e:  # forwarded to the consumer's first get()
+      error = e
     self._queue = queue.Queue(maxsize=depth)
     self._stop = threading.Event()
     self._thread = threading.Thread(
-        target=_work, args=(make_elements, self._queue, self._stop),
+        target=_work, args=(elements, error, self._queue, self._stop),
         name=f"{THREAD_NAME}-{next(_counter)}", daemon=True)
     self._done = False
     self._finalizer = weakref.finalize(owner, _shutdown, self._queue, self._stop,

@@ -1,0 +1,413 @@
+"""xladist.checkpoint: Checkpoint, CheckpointManager, PreemptionCheckpointHandler."""
+
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch_xla
+
+import _checkpoint_worker as worker
+import _models
+import xladist as xd
+import xladist.checkpoint as xc
+from xladist import _checkpoint_io
+
+HERE = pathlib.Path(__file__).parent
+STEPS = 20
+HALF = 10
+
+
+def _env(num_devices):
+  env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(num_devices))
+  env.pop("XLA_USE_SPMD", None)  # set by this process's xr.use_spmd(); not inherited
+  env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), str(HERE), env.get("PYTHONPATH", "")])
+  return env
+
+
+def _worker_cmd(directory, steps, **flags):
+  cmd = [sys.executable, str(HERE / "_checkpoint_worker.py"), "--dir", str(directory),
+         "--steps", str(steps)]
+  for k, v in flags.items():
+    cmd += [f"--{k}", str(v)]
+  return cmd
+
+
+def _run_worker(num_devices, directory, steps, **flags):
+  proc = subprocess.run(_worker_cmd(directory, steps, **flags), env=_env(num_devices),
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  """20 uninterrupted steps on 4 replicas in this process; saves after step 10 too."""
+  directory = tmp_path_factory.mktemp("reference")
+  saved = {}
+
+  def on_step(i, manager):
+    if i == HALF:
+      saved["path"] = manager.save()
+      saved["state"] = {k: v.detach().cpu().clone()
+                        for k, v in manager.checkpoint.model.state_dict().items()}
+
+  out = worker.run(xd.MirroredStrategy(), directory, STEPS, on_step=on_step)
+  return dict(out, half_path=saved["path"], half_state=saved["state"])
+
+
+def _assert_matches(got, ref, tol):
+  assert _models.max_relative_error(got["state"], ref["state"]) < tol
+  for a, b in zip(got["momentum"], ref["momentum"], strict=True):
+    assert _models.max_relative_error(a, b) < tol
+  assert torch.equal(got["next_idx"], ref["next_idx"])
+  assert _models.max_relative_error(got["next_x"], ref["next_x"]) < tol
+
+
+@pytest.mark.parametrize("num_devices", [4, 2])
+def test_resume_in_new_process_matches_uninterrupted_run(reference, tmp_path, num_devices):
+  # 10 steps here (4 replicas), then 10 more in a new process with 4 or 2 replicas.
+  out = tmp_path / "result.pt"
+  _run_worker(num_devices, tmp_path, STEPS, restore=reference["half_path"], out=out)
+  got = torch.load(out)
+  assert got["num_replicas"] == num_devices
+  # 4 replicas: the same programs, so equal up to 1e-6; 2 replicas: the means of
+  # gradients are summed in another order (measured: 4e-7 on the momentum).
+  _assert_matches(got, reference, 1e-6 if num_devices == 4 else 1e-5)
+
+
+def test_sigterm_saves_exits_cleanly_and_the_restarted_run_matches(reference, tmp_path):
+  stderr = tmp_path / "stderr.txt"
+  with open(stderr, "w") as err:
+    proc = subprocess.Popen(_worker_cmd(tmp_path, STEPS, sleep=0.2), env=_env(4),
+                            stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+      lines = []
+      for line in proc.stdout:
+        lines.append(line.strip())
+        if line.strip() == "step 4":
+          proc.send_signal(signal.SIGTERM)
+          break
+      rest = proc.stdout.read()
+      rc = proc.wait(timeout=120)
+    finally:
+      if proc.poll() is None:
+        proc.kill()
+  assert rc == 0, rest + stderr.read_text()[-3000:]
+  assert "done" not in rest
+  manager = xc.CheckpointManager(xc.Checkpoint(), tmp_path)
+  stopped = int(pathlib.Path(manager.latest_checkpoint).stem.split("-")[1])
+  printed = [int(l.split()[1]) for l in lines + rest.splitlines() if l.startswith("step ")]
+  # The step that was running (or, during the sleep, the next one) finished
+  # and was saved before its "step k" line.
+  assert printed[-1] <= stopped <= printed[-1] + 1 < STEPS
+
+  out = tmp_path / "result.pt"
+  stdout = _run_worker(4, tmp_path, STEPS, out=out)
+  assert f"at step {stopped}" in stdout
+  _assert_matches(torch.load(out), reference, 1e-6)
+
+
+@pytest.mark.parametrize("trained_first", [False, True])
+def test_restore_in_process_keeps_parameters_replicated_and_continues(
+    reference, trained_first):
+  strategy = xd.MirroredStrategy()
+  model, opt, iterator, step, ckpt = worker.build(strategy)
+  with iterator:
+    if trained_first:  # the optimizer's state already lives in the strategy
+      for _ in range(3):
+        worker.train_one(strategy, iterator, step)
+    _restore_and_continue(strategy, model, opt, iterator, step, ckpt, reference)
+
+
+def _restore_and_continue(strategy, model, opt, iterator, step, ckpt, reference):
+  ckpt.restore(reference["half_path"])
+  for p in model.parameters():
+    assert p.device.type == "xla"
+    assert "replicated" in torch_xla._XLAC._get_xla_sharding_spec(p)
+  for _ in range(STEPS - HALF):
+    worker.train_one(strategy, iterator, step)
+  _assert_matches(worker.result(strategy, model, opt, iterator), reference, 1e-6)
+
+
+def test_saved_state_dict_loads_into_a_plain_torch_model(reference):
+  content = torch.load(reference["half_path"], weights_only=True)
+  state = content["objects"]["model"]["value"]
+  assert all(t.device.type == "cpu" for t in state.values())
+  model = _models.make_mlp()
+  model.load_state_dict(state)
+  for k, v in model.state_dict().items():
+    assert torch.equal(v, reference["half_state"][k])
+  momentum = content["objects"]["optimizer"]["value"]["state"][0]["momentum_buffer"]
+  assert momentum.device.type == "cpu"
+
+
+# -- files, manager, errors (plain CPU objects: fast) ---------------------------------
+
+
+def _small():
+  torch.manual_seed(0)
+  model = torch.nn.Linear(3, 2)
+  opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+  return model, opt
+
+
+def _train_once(model, opt):
+  opt.zero_grad()
+  model(torch.ones(4, 3)).sum().backward()
+  opt.step()
+
+
+def test_manager_numbers_keeps_max_to_keep_and_leaves_no_temp_files(tmp_path):
+  model, opt = _small()
+  manager = xc.CheckpointManager(xc.Checkpoint(model=model, optimizer=opt), tmp_path,
+                                 max_to_keep=2)
+  assert manager.latest_checkpoint is None
+  assert manager.restore_or_initialize() is None
+  paths = [manager.save() for _ in range(4)]
+  assert [os.path.basename(p) for p in paths] == [f"ckpt-{i}.pt" for i in (1, 2, 3, 4)]
+  assert manager.checkpoints == paths[2:]
+  assert manager.latest_checkpoint == paths[3]
+  assert sorted(os.listdir(tmp_path)) == ["ckpt-3.pt", "ckpt-4.pt"]
+  assert manager.save(checkpoint_number=10).endswith("ckpt-10.pt")
+  assert sorted(os.listdir(tmp_path)) == ["ckpt-10.pt", "ckpt-4.pt"]
+  keep_all = xc.CheckpointManager(manager.checkpoint, tmp_path, max_to_keep=None)
+  keep_all.save()
+  assert len(keep_all.checkpoints) == 3
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage"])
+def test_corrupt_latest_checkpoint_is_a_clear_error_and_the_previous_one_loads(
+    tmp_path, damage):
+  model, opt = _small()
+  ckpt = xc.Checkpoint(model=model, optimizer=opt, step=0)
+  manager = xc.CheckpointManager(ckpt, tmp_path)
+  _train_once(model, opt)
+  ckpt.step = 1
+  good = manager.save()
+  good_weight = model.weight.detach().clone()
+  _train_once(model, opt)
+  ckpt.step = 2
+  bad = manager.save()
+  data = pathlib.Path(bad).read_bytes()
+  if damage == "truncate":
+    data = data[:len(data) // 2]
+  elif damage == "flip":  # a byte of tensor data: only the digest notices
+    content = torch.load(bad, weights_only=True)
+    needle = content["objects"]["model"]["value"]["weight"].numpy().tobytes()
+    pos = data.index(needle) + 1
+    data = data[:pos] + bytes([data[pos] ^ 0xFF]) + data[pos + 1:]
+  else:
+    data = b"not a checkpoint"
+  pathlib.Path(bad).write_bytes(data)
+
+  weight = model.weight.detach().clone()
+  momentum = opt.state[model.weight]["momentum_buffer"].clone()
+  rng = torch.get_rng_state()
+  torch.rand(3)  # the restore must not set the generators back either
+  rng_after = torch.get_rng_state()
+  assert manager.latest_checkpoint == bad
+  with pytest.raises(ValueError, match=r"xladist.checkpoint.restore: '.*ckpt-2.pt' is "
+                     r"not a valid xladist checkpoint \(truncated or corrupt\)"):
+    manager.restore_or_initialize()
+  with pytest.raises(ValueError, match=r"xladist.checkpoint.read: '.*ckpt-2.pt' is not a "):
+    xc.read(bad)
+  assert torch.equal(model.weight, weight)
+  assert torch.equal(opt.state[model.weight]["momentum_buffer"], momentum)
+  assert ckpt.step == 2
+  assert torch.equal(torch.get_rng_state(), rng_after) and not torch.equal(rng, rng_after)
+
+  assert ckpt.restore(manager.checkpoints[-2]) == good
+  assert ckpt.step == 1
+  assert torch.equal(model.weight, good_weight)
+
+
+def test_restore_sets_back_rng_states_tensors_and_values(tmp_path):
+  counter = torch.zeros(2)
+  ckpt = xc.Checkpoint(counter=counter, epoch=3, info={"name": "run", "lr": [0.1, None]})
+  torch.manual_seed(1)
+  np.random.seed(1)
+  random.seed(1)
+  path = ckpt.save(str(tmp_path / "c.pt"))
+  expected = (torch.rand(2), np.random.rand(), random.random())
+  counter += 5
+  ckpt.epoch = 4
+  ckpt.restore(path)
+  assert torch.equal(counter, torch.zeros(2))
+  assert ckpt.epoch == 3 and ckpt.info == {"name": "run", "lr": [0.1, None]}
+  got = (torch.rand(2), np.random.rand(), random.random())
+  assert torch.equal(got[0], expected[0]) and got[1:] == expected[1:]
+
+
+def test_restore_sets_back_the_xla_seed(strategy, tmp_path):
+  import torch_xla.core.xla_model as xm
+  xm.set_rng_state(1234)
+  path = xc.Checkpoint().save(str(tmp_path / "c.pt"))
+  xm.set_rng_state(99)
+  xc.Checkpoint().restore(path)
+  assert xm.get_rng_state() == 1234
+
+
+def _dist_iterator(strategy, n=10):
+  batches = [torch.full((8, 2), float(i)) for i in range(n)]
+  return strategy.experimental_distribute_dataset(batches)
+
+
+def _first_value(strategy, element):
+  return float(strategy.gather(element, axis=0)[0, 0].cpu())
+
+
+def test_iterator_position_counts_returned_elements_not_prefetched_ones(strategy, tmp_path):
+  dist = _dist_iterator(strategy)
+  it = iter(dist)
+  for _ in range(3):
+    next(it)
+  time.sleep(0.2)  # let the prefetch thread run ahead
+  ckpt = xc.Checkpoint(iterator=it)
+  path = ckpt.save(str(tmp_path / "c.pt"))
+  assert _first_value(strategy, next(it)) == 3.0
+
+  fresh = iter(dist)
+  assert fresh.element_spec is not None  # peeked, not returned: not consumed
+  xc.Checkpoint(iterator=fresh).restore(path)
+  assert [_first_value(strategy, x) for x in fresh] == [float(i) for i in range(3, 10)]
+  ckpt.restore(path)  # an iterator that ran further goes back
+  assert _first_value(strategy, next(it)) == 3.0
+  it.close()
+  fresh.close()
+
+
+def test_iterator_of_distribute_datasets_from_function(strategy, tmp_path):
+  def dataset_fn(ctx):
+    return [torch.full((2, 1), float(i)) for i in range(12)]
+  dist = strategy.distribute_datasets_from_function(dataset_fn)
+  with iter(dist) as it:
+    next(it)  # 4 per-replica batches: elements 0-3
+    path = xc.Checkpoint(iterator=it).save(str(tmp_path / "c.pt"))
+  with iter(dist) as fresh:
+    xc.Checkpoint(iterator=fresh).restore(path)
+    assert _first_value(strategy, next(fresh)) == 4.0
+
+  # Saved with another replica count: the position would mean other data.
+  content = xc.read(path)
+  content["objects"]["iterator"]["value"]["num_replicas"] = 8
+  content["digest"] = _checkpoint_io.digest({"objects": content["objects"],
+                                             "rng": content["rng"]})
+  torch.save(content, tmp_path / "c8.pt")
+  with iter(dist) as fresh, pytest.raises(
+      ValueError, match=r"distribute_datasets_from_function iterator with 8 replicas, "
+      r"restored into one with 4"):
+    xc.Checkpoint(iterator=fresh).restore(str(tmp_path / "c8.pt"))
+  with iter(_dist_iterator(strategy)) as other, pytest.raises(
+      ValueError, match=r"position of an distribute_datasets_from_function iterator, "
+      r"restored into an experimental_distribute_dataset one"):
+    xc.Checkpoint(iterator=other).restore(path)
+
+
+def test_iter_draws_the_dataloader_seed_in_the_calling_thread(strategy):
+  # A DataLoader's iter() draws from torch's global generator; done in the
+  # prefetch thread it would land at a random point of the main thread's draws.
+  loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(8, 2)),
+                                       batch_size=4)
+  threads = []
+
+  class Recording:
+    def __iter__(self):
+      threads.append(threading.current_thread())
+      return iter(loader)
+
+  dist = strategy.experimental_distribute_dataset(Recording())
+  torch.manual_seed(5)
+  torch.empty((), dtype=torch.int64).random_()
+  expected = torch.get_rng_state()
+  torch.manual_seed(5)
+  with iter(dist):
+    assert threads == [threading.current_thread()]
+    assert torch.equal(torch.get_rng_state(), expected)
+
+
+def test_checkpoint_errors(strategy, tmp_path):
+  model, opt = _small()
+  dist = _dist_iterator(strategy)
+  with pytest.raises(TypeError, match=r"iterator= is a DistributedDataset.*iter\(dist_dataset\)"):
+    xc.Checkpoint(iterator=dist)
+  with pytest.raises(TypeError, match=r"thing= is a object, which a checkpoint cannot hold"):
+    xc.Checkpoint(thing=object())
+  with pytest.raises(TypeError, match=r"value=\[1\]\['k'\] is a set"):
+    xc.Checkpoint(value=[0, {"k": {1}}])
+  with pytest.raises(ValueError, match=r"'save' is the name of a Checkpoint"):
+    xc.Checkpoint(save=1)
+  path = xc.Checkpoint(model=model).save(str(tmp_path / "c.pt"))
+  with pytest.raises(ValueError, match=r"has no object named 'optimizer'.*\['model'\]"):
+    xc.Checkpoint(model=model, optimizer=opt).restore(path)
+  with pytest.raises(ValueError, match=r"'model' in .* was saved from a module but is "
+                     r"restored into a stateful \(SGD\)"):
+    xc.Checkpoint(model=opt).restore(path)
+  other = torch.nn.Linear(4, 2)
+  weight = other.weight.detach().clone()
+  with pytest.raises(ValueError, match=r"weight has shape \(2, 3\) in the file and \(2, 4\)"):
+    xc.Checkpoint(model=other).restore(path)
+  assert torch.equal(other.weight, weight)
+  with pytest.raises(FileNotFoundError, match=r"no checkpoint file at '.*missing.pt'"):
+    xc.Checkpoint(model=model).restore(str(tmp_path / "missing.pt"))
+
+  with strategy.scope():
+    v = torch.nn.Linear(2, 2)
+
+  def step(x):
+    xc.Checkpoint(v=v).save(str(tmp_path / "in_step.pt"))
+    return x
+  with pytest.raises(RuntimeError, match=r"checkpoint.save was called inside strategy.run"):
+    strategy.run(step, args=(torch.ones(2, device=torch_xla.device()),))
+
+  with pytest.raises(TypeError, match=r"checkpoint must be an xladist.checkpoint.Checkpoint"):
+    xc.CheckpointManager(model, tmp_path)
+  with pytest.raises(ValueError, match=r"max_to_keep must be a positive int or None.*got 0"):
+    xc.CheckpointManager(xc.Checkpoint(), tmp_path, max_to_keep=0)
+  with pytest.raises(ValueError, match=r"checkpoint_name must be .*got 'a/b'"):
+    xc.CheckpointManager(xc.Checkpoint(), tmp_path, checkpoint_name="a/b")
+  with pytest.raises(ValueError, match=r"checkpoint_number must be a non-negative int.*-1"):
+    xc.CheckpointManager(xc.Checkpoint(), tmp_path).save(checkpoint_number=-1)
+  with pytest.raises(TypeError, match=r"checkpoint_manager must be an xladist"):
+    xc.PreemptionCheckpointHandler(xc.Checkpoint())
+
+
+def test_preemption_handler_saves_after_the_step_and_restores_the_signal_handler(tmp_path):
+  model, opt = _small()
+  ckpt = xc.Checkpoint(model=model, optimizer=opt)
+  manager = xc.CheckpointManager(ckpt, tmp_path)
+  before = signal.getsignal(signal.SIGTERM)
+  exits = []
+  handler = xc.PreemptionCheckpointHandler(manager, exit_fn=lambda: exits.append(1))
+  try:
+    assert signal.getsignal(signal.SIGTERM) is not before
+    handler.run(_train_once, model, opt)
+    assert manager.latest_checkpoint is None and not handler.preemption_received
+
+    def step_interrupted(model, opt):
+      os.kill(os.getpid(), signal.SIGTERM)  # arrives during the step
+      _train_once(model, opt)
+      assert not exits  # nothing happens until the step finished
+    handler.run(step_interrupted, model, opt)
+    assert exits == [1]
+    assert manager.latest_checkpoint.endswith("ckpt-2.pt")
+    assert handler.total_run_calls == 2 and not handler.preemption_received
+  finally:
+    handler.close()
+  assert signal.getsignal(signal.SIGTERM) is before
+
+  # A restarted job: the count comes back with the checkpoint.
+  with xc.PreemptionCheckpointHandler(manager) as restarted:
+    manager.restore_or_initialize()
+    assert restarted.total_run_calls == 2
+
+
+def test_no_prefetch_thread_is_left_behind():  # every test above closes its iterators
+  assert not [t for t in threading.enumerate() if t.name.startswith("xladist-prefetch")]
