@@ -147,6 +147,9 @@ def test_saved_state_dict_loads_into_a_plain_torch_model(reference):
     assert torch.equal(v, reference["half_state"][k])
   momentum = content["objects"]["optimizer"]["value"]["state"][0]["momentum_buffer"]
   assert momentum.device.type == "cpu"
+  plain_opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+  plain_opt.load_state_dict(content["objects"]["optimizer"]["value"])
+  assert torch.equal(plain_opt.state[model[0].weight]["momentum_buffer"], momentum)
 
 
 # -- files, manager, errors (plain CPU objects: fast) ---------------------------------

@@ -257,6 +257,9 @@ def test_state_dict_is_plain_and_loading_under_scope_re_replicates(strategy):
   state = {k: v.cpu() for k, v in model.state_dict().items()}
   plain = _bn_model()
   plain.load_state_dict(state)  # loads into plain PyTorch
+  plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+  plain_opt.load_state_dict(opt.state_dict())  # XLA tensors: cast to the CPU params
+  assert plain_opt.state_dict()["param_groups"] == opt.state_dict()["param_groups"]
   other = _bn_model()
   with torch.no_grad():
     for p in other.parameters():
