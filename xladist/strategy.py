@@ -510,6 +510,43 @@ class StrategyExtended:
           "reduce it first.")
     return self._to_destinations(self._broadcast(tensor), destinations)
 
+  def experimental_run_steps(self, fn, iterator, steps):
+    """Runs `steps` steps of `strategy.run(fn, element)` as ONE XLA execution.
+
+    Like TF's `steps_per_execution` or a host training loop inside
+    `tf.function`: the next `steps` elements of `iterator` (a
+    DistributedIterator, or any iterator of values `run` takes) are fed to
+    `strategy.run(fn, args=element)` (a tuple or list element is the argument
+    list, anything else the single argument) back to back, and the graph is cut once
+    at the end, so the k steps compile into one program and run as one
+    execution. The results equal k separate steps. Fewer steps run when the
+    iterator ends first (that shorter program compiles once too).
+
+    Returns:
+      The list of what each step returned (in step order).
+
+    Raises:
+      ValueError: `steps` is not a positive int.
+      RuntimeError: called inside `run`.
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+      raise ValueError(
+          f"experimental_run_steps: steps must be a positive int, got {steps!r}.")
+    _require_cross_replica(self._strategy_ref, "experimental_run_steps",
+                           "Call it from the training loop, outside strategy.run.")
+    from xladist import _runtime
+    outputs = []
+    for _ in range(steps):
+      try:
+        element = next(iterator)
+      except StopIteration:
+        break
+      args = tuple(element) if isinstance(element, (tuple, list)) else (element,)
+      outputs.append(self._strategy_ref.run(fn, args=args))
+    if self._current_device().type == "xla":
+      _runtime.sync()
+    return outputs
+
   # -- variables ------------------------------------------------------------------
   def update(self, var, fn, args=(), kwargs=None, group=True):
     """Runs `fn(var, *args, **kwargs)` to update a variable, in an update context.

@@ -1,0 +1,55 @@
+"""Several steps per execution: extended.experimental_run_steps."""
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import _models
+from xladist import _runtime
+
+
+def _loader(steps, n=4, b=3):
+  xs, ys = _models.make_data("mlp", n, steps=steps, b=b)
+  return DataLoader(TensorDataset(torch.cat(xs), torch.cat(ys)), batch_size=n * b)
+
+
+def test_k_steps_are_one_execution_and_equal_k_single_steps(strategy):
+  state = _models.initial_state("mlp")
+  loader = _loader(steps=12)
+  # Reference: 12 separate steps, one execution each.
+  model, opt = _models.build_xladist(strategy, "mlp", state)
+  step = _models.make_step(model, opt)
+  single_losses = []
+  for x, y in strategy.experimental_distribute_dataset(loader):
+    single_losses.append(strategy.reduce("mean", strategy.run(step, args=(x, y)), axis=None))
+    _runtime.sync()
+  single = {k: v.cpu() for k, v in model.state_dict().items()}
+
+  model, opt = _models.build_xladist(strategy, "mlp", state)
+  step = _models.make_step(model, opt)
+  it = iter(strategy.experimental_distribute_dataset(loader))
+  # Warm-up: the first program also creates the momentum buffers.
+  outputs = strategy.extended.experimental_run_steps(step, it, 4)
+  outputs += strategy.extended.experimental_run_steps(step, it, 4)
+  _runtime.wait()
+  executions, compiles = _runtime.execute_count(), _runtime.compile_count()
+  outputs += strategy.extended.experimental_run_steps(step, it, 4)
+  _runtime.wait()
+  assert _runtime.execute_count() - executions == 1  # one execution for 4 steps
+  assert _runtime.compile_count() == compiles
+  assert strategy.extended.experimental_run_steps(step, it, 4) == []  # the iterator is done
+  assert len(outputs) == 12
+  got = {k: v.cpu() for k, v in model.state_dict().items()}
+  assert _models.max_relative_error(got, single) < 1e-6
+  losses = torch.stack([strategy.reduce("mean", o, axis=None).cpu() for o in outputs])
+  assert _models.max_relative_error(losses, torch.stack([l.cpu() for l in single_losses])) < 1e-6
+
+
+def test_run_steps_errors(strategy):
+  with pytest.raises(ValueError, match=re.escape("experimental_run_steps: steps must be a positive int, got 0")):
+    strategy.extended.experimental_run_steps(lambda x: x, iter([]), 0)
+  with pytest.raises(RuntimeError, match=re.escape("experimental_run_steps requires being in cross-replica context")):
+    strategy.run(lambda: strategy.extended.experimental_run_steps(lambda x: x, iter([]), 1))
