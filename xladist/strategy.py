@@ -647,8 +647,18 @@ class StrategyExtended:
     return isinstance(v, torch.Tensor) and store.tracks(v)
 
   def _to_destinations(self, value, destinations):
-    in_region = context.get_replica_context() is not None or self._in_region()
-    return to_destinations(value, destinations, self._num_replicas_in_sync, in_region)
+    many = isinstance(destinations, DistributedValues) or (
+        isinstance(destinations, (list, tuple)) and len(destinations) > 1)
+    if many:
+      return Mirrored._from_primary(value, self._num_replicas_in_sync)
+    if isinstance(destinations, (list, tuple)):
+      destinations = destinations[0]
+    if isinstance(destinations, torch.Tensor):
+      destinations = destinations.device
+    if (str(destinations).startswith("cpu") and isinstance(value, torch.Tensor)
+        and context.get_replica_context() is None and not self._in_region()):
+      return value.cpu()
+    return value
 
   def _in_region(self):
     return False
@@ -695,12 +705,31 @@ class StrategyExtended:
   def _call_for_each_replica(self, fn, args, kwargs):
     raise NotImplementedError  # every strategy overrides it
 
-  def _reduce(self, reduce_op, value, axis, options=None):
+  def _reduce(self, reduce_op, value, axis):
     """The reduced value of `value` in the global view (no region active)."""
-    return reduce_global(reduce_op, value, axis, self._num_replicas_in_sync)
+    n = self._num_replicas_in_sync
+    if isinstance(value, PerReplica):
+      stacked = value._stacked if value._stacked is not None else torch.stack(
+          [torch.as_tensor(c) for c in value.values])
+      return _reduce_stacked(reduce_op, stacked, axis, "strategy.reduce")
+    if isinstance(value, Mirrored):
+      value = value.primary
+      scale = n
+    else:
+      scale = None
+    value = torch.as_tensor(value)
+    out = _reduce_stacked(reduce_op, value.unsqueeze(0), axis, "strategy.reduce")
+    if reduce_op is ReduceOp.SUM and n > 1:
+      if scale is None:
+        raise ValueError(
+            f"strategy.reduce: a non-distributed value (a {type(value).__name__}) "
+            f"cannot be reduced with ReduceOp.SUM over {n} replicas; pass the "
+            "PerReplica that strategy.run returned, or use ReduceOp.MEAN.")
+      out = out * scale
+    return out
 
-  def _batch_reduce(self, reduce_op, values, options=None):
-    return [self._reduce(reduce_op, v, None, options) for v in values]
+  def _batch_reduce(self, reduce_op, values):
+    return [self._reduce(reduce_op, v, None) for v in values]
 
   def _gather(self, value, axis):
     n = self._num_replicas_in_sync
@@ -769,58 +798,6 @@ def _group_leaf(components):
     except (TypeError, ValueError, RuntimeError):
       pass
   return PerReplica(components)
-
-
-def reduce_global(reduce_op, value, axis, n):
-  """Reduces a PerReplica (global or host form), Mirrored or tensor over `n` replicas."""
-  if isinstance(value, PerReplica):
-    return _reduce_stacked(reduce_op, stacked_components(value), axis, "strategy.reduce")
-  if isinstance(value, Mirrored):
-    value = value.primary
-    scale = n
-  else:
-    scale = None
-  value = torch.as_tensor(value)
-  out = _reduce_stacked(reduce_op, value.unsqueeze(0), axis, "strategy.reduce")
-  if reduce_op is ReduceOp.SUM and n > 1:
-    if scale is None:
-      raise ValueError(
-          f"strategy.reduce: a non-distributed value (a {type(value).__name__}) "
-          f"cannot be reduced with ReduceOp.SUM over {n} replicas; pass the "
-          "PerReplica that strategy.run returned, or use ReduceOp.MEAN.")
-    out = out * scale
-  return out
-
-
-def stacked_components(value):
-  """A PerReplica (not the merge_call form) as one (num_replicas, ...) tensor."""
-  if value._stacked is not None:
-    return value._stacked
-  return torch.stack([torch.as_tensor(c) for c in value.values])
-
-
-def to_destinations(value, destinations, num_replicas, in_region):
-  """`value` on `destinations`: a Mirrored for several devices (or a distributed
-  value), else the tensor; a "cpu" destination outside a step copies it to the host."""
-  many = isinstance(destinations, DistributedValues) or (
-      isinstance(destinations, (list, tuple)) and len(destinations) > 1)
-  if many:
-    return Mirrored._from_primary(value, num_replicas)
-  if is_host_destination(destinations) and isinstance(value, torch.Tensor) and not in_region:
-    return value.cpu()
-  return value
-
-
-def is_host_destination(destinations):
-  """True when `destinations` names one device and it is the host CPU."""
-  if isinstance(destinations, DistributedValues) or (
-      isinstance(destinations, (list, tuple)) and len(destinations) > 1):
-    return False
-  if isinstance(destinations, (list, tuple)):
-    destinations = destinations[0]
-  if isinstance(destinations, torch.Tensor):
-    destinations = destinations.device
-  return str(destinations).startswith("cpu")
 
 
 def _reduce_stacked(reduce_op, stacked, axis, api):
