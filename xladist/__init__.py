@@ -55,7 +55,7 @@ from xladist.strategies.one_device import OneDeviceStrategy
 from xladist.strategy import Strategy, StrategyExtended
 from xladist.values import DistributedValues, Mirrored, PerReplica
 from xladist.variables import Variable, VariableAggregation, VariableSynchronization
-from xladist import checkpoint, experimental, nn
+from xladist import checkpoint, cluster_resolver, experimental, nn
 
 __version__ = "0.1.0"
 
@@ -67,5 +67,5 @@ __all__ = [
     "current_strategy", "current_update_device", "experimental",
     "experimental_set_strategy", "get_cross_replica_context", "get_replica_context",
     "get_strategy", "get_tower_context", "has_strategy", "in_cross_replica_context",
-    "Variable", "VariableAggregation", "VariableSynchronization", "checkpoint", "nn",
+    "Variable", "VariableAggregation", "VariableSynchronization", "checkpoint", "cluster_resolver", "nn",
 ]

@@ -5,6 +5,7 @@
   batches, padding or dropping partial ones, placing the shards).
 * `prefetch.py`: the background thread that builds and transfers the next
   elements while the current step runs.
+* `sharding.py`: multi-host input, which rows of each global batch a host feeds.
 
 The public names are re-exported by `xladist/__init__.py`.
 """
