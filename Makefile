@@ -10,7 +10,7 @@ STAMP := $(XLADIST_VENV)/.xladist-$(shell sha1sum pyproject.toml | cut -c1-12)
 RUN := PYTHONPATH=$(CURDIR) $(PY)
 CPU_ENV := PJRT_DEVICE=CPU CPU_NUM_DEVICES=4
 
-.PHONY: venv demo test bench bench-input clean-venv
+.PHONY: venv demo test bench bench-input bench-collectives clean-venv
 
 venv: $(STAMP)
 
@@ -31,6 +31,9 @@ bench: venv
 
 bench-input: venv
 	$(CPU_ENV) $(RUN) bench/input_pipeline.py --rounds 12
+
+bench-collectives: venv
+	$(CPU_ENV) $(RUN) bench/collectives.py
 
 clean-venv:
 	rm -rf $(XLADIST_VENV)

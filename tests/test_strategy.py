@@ -266,7 +266,7 @@ def test_mirrored_device_list_forms():
   assert xd.MirroredStrategy(devices=[torch.device("xla", i) for i in range(4)]).num_replicas_in_sync == 4
   with pytest.raises(TypeError, match=re.escape("devices must be a list of devices, got str")):
     xd.MirroredStrategy(devices="xla:0")
-  with pytest.raises(NotImplementedError, match=re.escape("Pass cross_device_ops=None")):
+  with pytest.raises(TypeError, match=re.escape("cross_device_ops must be an xladist.CrossDeviceOps")):
     xd.MirroredStrategy(cross_device_ops=object())
 
 

@@ -45,6 +45,8 @@ from xladist.context import (current_device, current_strategy, current_update_de
                              experimental_set_strategy, get_cross_replica_context,
                              get_replica_context, get_strategy, get_tower_context,
                              has_strategy, in_cross_replica_context)
+from xladist.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce,
+                                      NcclAllReduce, ReductionToOneDevice)
 from xladist.input.dataset import DistributedDataset, DistributedIterator
 from xladist.input.options import InputContext, InputOptions, InputReplicationMode
 from xladist.input_options import RunOptions
@@ -60,6 +62,7 @@ from xladist import checkpoint, cluster_resolver, experimental, nn
 __version__ = "0.1.0"
 
 __all__ = [
+    "CrossDeviceOps", "HierarchicalCopyAllReduce", "NcclAllReduce", "ReductionToOneDevice",
     "DistributedDataset", "DistributedIterator", "DistributedValues", "InputContext",
     "InputOptions", "InputReplicationMode", "MeanReduction", "Mirrored",
     "MirroredStrategy", "OneDeviceStrategy", "PerReplica", "ReduceOp", "ReplicaContext", "RunOptions",

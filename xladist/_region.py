@@ -104,8 +104,9 @@ class Region:
     return value
 
   # -- cross-replica views (merge_call) --------------------------------------------
-  def all_reduce(self, op, tensors):
-    return collectives.all_reduce(op, tensors, self.num_replicas)
+  def all_reduce(self, op, tensors, options=None):
+    """All-reduces local tensors with the strategy's CrossDeviceOps and options."""
+    return self.strategy.extended._all_reduce_local(op, tensors, options)
 
   def gather_stacked(self, local):
     return collectives.gather_stacked(local, self.replica_id, self.num_replicas)

@@ -267,9 +267,44 @@ def sync(tensors=None):
     _xlac()._xla_sync_multi(list(tensors), devices=[], wait=False)
 
 
-def wait():
+def _wait_device_ops():
   import torch_xla.core.xla_model as xm
   xm.wait_device_ops()
+
+
+def wait(timeout_seconds=None, what="the device's pending work"):
+  """Blocks until every launched XLA execution has finished.
+
+  With `timeout_seconds`, the wait runs in a daemon thread and a TimeoutError is
+  raised if it has not returned in time (the device work goes on; a later wait
+  can still pick it up). On XLA a collective is part of a compiled program, so
+  this is the only place a host can wait for one.
+
+  Raises:
+    TimeoutError: the work did not finish within `timeout_seconds`.
+  """
+  if timeout_seconds is None:
+    _wait_device_ops()
+    return
+  done = threading.Event()
+  errors = []
+
+  def target():
+    try:
+      _wait_device_ops()
+    except BaseException as e:  # re-raised in the caller's thread
+      errors.append(e)
+    finally:
+      done.set()
+  threading.Thread(target=target, name="xladist-wait", daemon=True).start()
+  if not done.wait(timeout_seconds):
+    raise TimeoutError(
+        f"{what} did not finish within {timeout_seconds} s "
+        "(CommunicationOptions.timeout_seconds); the device is still running it "
+        "(e.g. a step whose collective waits for a replica). Raise "
+        "timeout_seconds, or pass timeout_seconds=None to wait without a bound.")
+  if errors:
+    raise errors[0]
 
 
 def compile_count():

@@ -5,8 +5,10 @@ replica's local value. Each becomes an HLO `all-reduce` over the replica group
 with global device ids (the only kind that works in an SPMD program, which has
 one replica and N partitions).
 
-* `all_reduce` packs the tensors of one call into one flat buffer per dtype, so a
-  nested structure of many small tensors costs few collectives.
+* `all_reduce` packs the tensors of one call into flat buffers, one collective
+  per pack: by default one pack per dtype, so a nested structure of many small
+  tensors costs few collectives; `pack_by_bytes` and `pack_into` are the other
+  plans (CommunicationOptions.bytes_per_pack, NcclAllReduce(num_packs)).
 * `all_gather` has no all-gather lowering in torch_xla 2.9's SPMD bindings: each
   replica places its value in its own row of a zero buffer (a select) and the
   rows are summed with one all-reduce. x + 0 is exact for every value, inf and
@@ -67,16 +69,17 @@ def _packed(op, num_replicas, tensors):
           for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
 
 
-def all_reduce(op, tensors, num_replicas):
+def all_reduce(op, tensors, num_replicas, packs=None):
   """All-reduces a list of local tensors; returns the list of results.
 
-  Tensors are grouped by dtype and each group is packed into one collective.
+  `packs` is a list of lists of indices into `tensors`, each of one dtype (see
+  `pack_by_dtype`, `pack_by_bytes`, `pack_into`); each pack becomes one
+  collective. Default: one pack per dtype.
   """
-  by_dtype = {}
-  for i, t in enumerate(tensors):
-    by_dtype.setdefault(t.dtype, []).append(i)
+  if packs is None:
+    packs = pack_by_dtype(tensors)
   out = [None] * len(tensors)
-  for indices in by_dtype.values():
+  for indices in packs:
     group = [tensors[i] for i in indices]
     if any(t.requires_grad for t in group):
       reduced = _PackedAllReduce.apply(op, num_replicas, *group)
@@ -85,6 +88,68 @@ def all_reduce(op, tensors, num_replicas):
     for i, r in zip(indices, reduced):
       out[i] = r
   return out
+
+
+# -- pack plans: which tensors of one batch reduction share a collective ------------
+
+def pack_by_dtype(tensors):
+  """One pack per dtype (in order of first appearance)."""
+  by_dtype = {}
+  for i, t in enumerate(tensors):
+    by_dtype.setdefault(t.dtype, []).append(i)
+  return list(by_dtype.values())
+
+
+def _nbytes(t):
+  return t.numel() * t.element_size()
+
+
+def pack_by_bytes(tensors, bytes_per_pack):
+  """Per dtype, in order: buckets of at most `bytes_per_pack` bytes.
+
+  A tensor bigger than a bucket gets a pack of its own.
+  """
+  packs = []
+  for group in pack_by_dtype(tensors):
+    current, size = [], 0
+    for i in group:
+      n = _nbytes(tensors[i])
+      if current and size + n > bytes_per_pack:
+        packs.append(current)
+        current, size = [], 0
+      current.append(i)
+      size += n
+    if current:
+      packs.append(current)
+  return packs
+
+
+def pack_into(tensors, num_packs):
+  """Per dtype: `num_packs` contiguous packs of roughly equal bytes.
+
+  A dtype with fewer tensors than `num_packs` gets one pack per tensor, so a
+  batch reduction of one dtype with at least `num_packs` tensors has exactly
+  `num_packs` collectives, and one with d dtypes at most d * num_packs.
+  `num_packs == 0`: no packing, one collective per tensor.
+  """
+  if num_packs == 0:
+    return [[i] for i in range(len(tensors))]
+  packs = []
+  for group in pack_by_dtype(tensors):
+    k = min(num_packs, len(group))
+    sizes = [_nbytes(tensors[i]) for i in group]
+    total = sum(sizes)
+    start, acc, cut = 0, 0, 1
+    for pos, size in enumerate(sizes):
+      acc += size
+      left = len(group) - pos - 1  # tensors after this one
+      # Close a pack once it reaches its share of the bytes, or when the
+      # remaining tensors are just enough for the remaining packs.
+      if cut < k and (acc * k >= cut * total or left == k - cut):
+        packs.append(group[start:pos + 1])
+        start, cut = pos + 1, cut + 1
+    packs.append(group[start:])
+  return packs
 
 
 def _one_hot_rows(local, replica_id, num_replicas):
@@ -115,6 +180,27 @@ def _gather_stacked(local, replica_id, num_replicas):
   rows = _one_hot_rows(src, replica_id, num_replicas)
   out = _runtime.spmd_all_reduce("sum", rows.reshape(-1)).view(rows.shape)
   return out.bool() if local.dtype == torch.bool else out
+
+
+def gather_stacked_many(tensors, replica_id, num_replicas, packs=None):
+  """`gather_stacked` of several tensors, one collective per pack.
+
+  Returns, for each tensor, its (num_replicas, *shape) stack of every replica's value.
+  """
+  if packs is None:
+    packs = pack_by_dtype(tensors)
+  out = [None] * len(tensors)
+  for indices in packs:
+    group = [tensors[i] for i in indices]
+    if len(group) == 1:
+      out[indices[0]] = gather_stacked(group[0], replica_id, num_replicas)
+      continue
+    flat = torch.cat([t.reshape(-1) for t in group])
+    stacked = gather_stacked(flat, replica_id, num_replicas)
+    pieces = stacked.split([t.numel() for t in group], dim=1)
+    for i, piece, t in zip(indices, pieces, group):
+      out[i] = piece.reshape((num_replicas,) + tuple(t.shape))
+  return out
 
 
 def gather_stacked(local, replica_id, num_replicas):

@@ -3,6 +3,7 @@
 import torch
 
 from xladist import context
+from xladist.communication_options import check_options
 from xladist.reduce_util import as_reduce_op
 from xladist.strategy import _concat_stacked, flatten, unflatten
 from xladist.values import DistributedValues, PerReplica
@@ -111,16 +112,20 @@ class ReplicaContext:
   def all_reduce(self, reduce_op, value, options=None):
     """All-reduces a nested structure of tensors across replicas.
 
-    Tensors of one dtype are packed into one XLA all-reduce. SUM and MEAN are
-    differentiable. With two replicas holding {"a": 1., "b": [2., 3.]} and
+    The reduction uses the strategy's CrossDeviceOps: by default the tensors
+    of one dtype are packed into one XLA all-reduce; `options`
+    (`experimental.CommunicationOptions`) can ask for buckets of
+    `bytes_per_pack` bytes instead. SUM and MEAN are differentiable. With two replicas holding {"a": 1., "b": [2., 3.]} and
     {"a": 4., "b": [5., 6.]}, `all_reduce("sum", value)` gives
     {"a": 5., "b": [7., 9.]} on both.
 
     Raises:
-      TypeError: a leaf is not a tensor or number.
+      TypeError: a leaf is not a tensor or number, or `options` is not a
+        CommunicationOptions.
       RuntimeError: not called from this replica context.
     """
     reduce_op = as_reduce_op(reduce_op, "ReplicaContext.all_reduce")
+    options = check_options(options, "ReplicaContext.all_reduce")
     self._require_current("all_reduce")
     leaves, spec = flatten(value)
     tensors = [_as_tensor(x, "all_reduce") for x in leaves]
@@ -128,7 +133,7 @@ class ReplicaContext:
       return unflatten(spec, tensors)
     tensors = [t if t.device.type == "xla" else self._region.local_replicated(t)
                for t in tensors]
-    return unflatten(spec, self._region.all_reduce(reduce_op, tensors))
+    return unflatten(spec, self._region.all_reduce(reduce_op, tensors, options))
 
   def all_gather(self, value, axis, options=None):
     """Concatenates every replica's value (nested structure) along `axis`.
@@ -140,6 +145,7 @@ class ReplicaContext:
       ValueError: a value is a scalar or `axis` is out of range.
       RuntimeError: not called from this replica context.
     """
+    check_options(options, "ReplicaContext.all_gather")
     self._require_current("all_gather")
     leaves, spec = flatten(value)
     tensors = [_as_tensor(x, "all_gather") for x in leaves]

@@ -8,6 +8,10 @@ import optree
 import torch
 
 from xladist import context
+from xladist._global_view import check_destinations as _check_destinations
+from xladist._global_view import concat_stacked as _concat_stacked
+from xladist._global_view import is_host_destination, reduce_global, to_destinations
+from xladist.communication_options import check_options
 from xladist.input import dataset as input_dataset
 from xladist.input.options import InputContext, InputOptions, InputReplicationMode
 from xladist.reduce_util import ReduceOp, as_reduce_op
@@ -38,15 +42,6 @@ def _require_cross_replica(strategy, api, fix):
     raise RuntimeError(
         f"{api} requires being in cross-replica context, but it was called in a "
         f"replica context (inside strategy.run). {fix}")
-
-
-def _check_axis(axis, rank, api):
-  if isinstance(axis, bool) or not isinstance(axis, int):
-    raise TypeError(f"{api}: axis must be an int or None, got {type(axis).__name__}.")
-  if not -rank <= axis < rank:
-    raise ValueError(
-        f"{api}: axis {axis} is out of range for a per-replica value of rank {rank}.")
-  return axis % rank
 
 
 class _Scope:
@@ -474,17 +469,42 @@ class StrategyExtended:
     """Reduces `value` across replicas onto `destinations`.
 
     Returns a Mirrored when `destinations` names several devices (or is a
-    distributed value), else a tensor.
+    distributed value), else a tensor. The strategy's CrossDeviceOps does the
+    reduction; `options` (`experimental.CommunicationOptions`) can set its
+    packing and, for a "cpu" destination outside a step, bound the host-side
+    wait for the result (`timeout_seconds`).
+
+    Raises:
+      TypeError: `options` is not a CommunicationOptions.
+      ValueError: `destinations` is malformed.
+      RuntimeError: called in a replica context.
+      TimeoutError: the result was not ready within `options.timeout_seconds`.
     """
     reduce_op = as_reduce_op(reduce_op, "reduce_to")
+    options = check_options(options, "reduce_to")
     _check_destinations(destinations, "reduce_to")
     _require_cross_replica(self._strategy_ref, "reduce_to",
                            "Use get_replica_context().merge_call() to get there.")
-    return self._to_destinations(self._reduce(reduce_op, value, None), destinations)
+    options = self._options(options)
+    reduced = self._reduce(reduce_op, value, None, options)
+    self._wait_for_host([(reduced, destinations)], options, "reduce_to")
+    return self._to_destinations(reduced, destinations)
 
   def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
-    """Reduces several values at once (few collectives); returns a list."""
+    """Reduces several values at once (few collectives); returns a list.
+
+    The strategy's CrossDeviceOps packs the values into collectives (by
+    default one all-reduce per dtype); see `reduce_to` for `options`.
+
+    Raises:
+      ValueError: `value_destination_pairs` is not a list or tuple of
+        (value, destinations) pairs.
+      TypeError: `options` is not a CommunicationOptions.
+      RuntimeError: called in a replica context.
+      TimeoutError: the results were not ready within `options.timeout_seconds`.
+    """
     reduce_op = as_reduce_op(reduce_op, "batch_reduce_to")
+    options = check_options(options, "batch_reduce_to")
     if (not isinstance(value_destination_pairs, (list, tuple)) or not all(
         isinstance(p, (list, tuple)) and len(p) == 2 for p in value_destination_pairs)):
       raise ValueError(
@@ -495,9 +515,29 @@ class StrategyExtended:
       _check_destinations(d, "batch_reduce_to")
     _require_cross_replica(self._strategy_ref, "batch_reduce_to",
                            "Use get_replica_context().merge_call() to get there.")
-    reduced = self._batch_reduce(reduce_op, [v for v, _ in value_destination_pairs])
-    return [self._to_destinations(r, d)
-            for r, (_, d) in zip(reduced, value_destination_pairs)]
+    options = self._options(options)
+    reduced = self._batch_reduce(reduce_op, [v for v, _ in value_destination_pairs],
+                                 options)
+    pairs = [(r, d) for r, (_, d) in zip(reduced, value_destination_pairs)]
+    self._wait_for_host(pairs, options, "batch_reduce_to")
+    return [self._to_destinations(r, d) for r, d in pairs]
+
+  def _options(self, options):
+    """The options a reduction uses (a strategy may add its defaults)."""
+    return options
+
+  def _wait_for_host(self, pairs, options, api):
+    """Bounds the host-side wait for results going to a "cpu" destination."""
+    if options is None or options.timeout_seconds is None:
+      return
+    if context.in_step(self._strategy_ref) or self._in_region():
+      return  # inside a step nothing is read back, so nothing waits
+    tensors = [r for r, d in pairs if isinstance(r, torch.Tensor)
+               and r.device.type == "xla" and is_host_destination(d)]
+    if tensors:
+      from xladist import _runtime
+      _runtime.sync(tensors)
+      _runtime.wait(options.timeout_seconds, f"{api}: the reduction")
 
   def broadcast_to(self, tensor, destinations):
     """`tensor` mirrored on `destinations`."""
@@ -647,18 +687,8 @@ class StrategyExtended:
     return isinstance(v, torch.Tensor) and store.tracks(v)
 
   def _to_destinations(self, value, destinations):
-    many = isinstance(destinations, DistributedValues) or (
-        isinstance(destinations, (list, tuple)) and len(destinations) > 1)
-    if many:
-      return Mirrored._from_primary(value, self._num_replicas_in_sync)
-    if isinstance(destinations, (list, tuple)):
-      destinations = destinations[0]
-    if isinstance(destinations, torch.Tensor):
-      destinations = destinations.device
-    if (str(destinations).startswith("cpu") and isinstance(value, torch.Tensor)
-        and context.get_replica_context() is None and not self._in_region()):
-      return value.cpu()
-    return value
+    in_region = context.in_step(self._strategy_ref) or self._in_region()
+    return to_destinations(value, destinations, self._num_replicas_in_sync, in_region)
 
   def _in_region(self):
     return False
@@ -705,31 +735,12 @@ class StrategyExtended:
   def _call_for_each_replica(self, fn, args, kwargs):
     raise NotImplementedError  # every strategy overrides it
 
-  def _reduce(self, reduce_op, value, axis):
+  def _reduce(self, reduce_op, value, axis, options=None):
     """The reduced value of `value` in the global view (no region active)."""
-    n = self._num_replicas_in_sync
-    if isinstance(value, PerReplica):
-      stacked = value._stacked if value._stacked is not None else torch.stack(
-          [torch.as_tensor(c) for c in value.values])
-      return _reduce_stacked(reduce_op, stacked, axis, "strategy.reduce")
-    if isinstance(value, Mirrored):
-      value = value.primary
-      scale = n
-    else:
-      scale = None
-    value = torch.as_tensor(value)
-    out = _reduce_stacked(reduce_op, value.unsqueeze(0), axis, "strategy.reduce")
-    if reduce_op is ReduceOp.SUM and n > 1:
-      if scale is None:
-        raise ValueError(
-            f"strategy.reduce: a non-distributed value (a {type(value).__name__}) "
-            f"cannot be reduced with ReduceOp.SUM over {n} replicas; pass the "
-            "PerReplica that strategy.run returned, or use ReduceOp.MEAN.")
-      out = out * scale
-    return out
+    return reduce_global(reduce_op, value, axis, self._num_replicas_in_sync)
 
-  def _batch_reduce(self, reduce_op, values):
-    return [self._reduce(reduce_op, v, None) for v in values]
+  def _batch_reduce(self, reduce_op, values, options=None):
+    return [self._reduce(reduce_op, v, None, options) for v in values]
 
   def _gather(self, value, axis):
     n = self._num_replicas_in_sync
@@ -798,46 +809,3 @@ def _group_leaf(components):
     except (TypeError, ValueError, RuntimeError):
       pass
   return PerReplica(components)
-
-
-def _reduce_stacked(reduce_op, stacked, axis, api):
-  """Reduces a (num_replicas, *shape) tensor over replicas (and `axis` of shape)."""
-  dims = [0]
-  if axis is not None:
-    dims.append(_check_axis(axis, stacked.dim() - 1, api) + 1)
-  if reduce_op is ReduceOp.SUM:
-    return stacked.sum(dim=dims)
-  if reduce_op is ReduceOp.MEAN:
-    if not stacked.is_floating_point():
-      stacked = stacked.float()
-    return stacked.mean(dim=dims)
-  if reduce_op is ReduceOp.MIN:
-    return stacked.amin(dim=dims)
-  return stacked.amax(dim=dims)
-
-
-def _concat_stacked(stacked, axis, api):
-  """(num_replicas, *shape) -> the components concatenated along `axis`."""
-  if stacked.dim() < 2:
-    raise ValueError(
-        f"{api}: per-replica values must have rank >= 1 to be concatenated, got "
-        "scalars; reshape them to shape (1,) first.")
-  axis = _check_axis(axis, stacked.dim() - 1, api)
-  moved = stacked.movedim(0, axis)
-  shape = list(moved.shape)
-  return moved.reshape(shape[:axis] + [shape[axis] * shape[axis + 1]] + shape[axis + 2:])
-
-
-def _check_destinations(destinations, api):
-  ok = (str, torch.device, torch.Tensor, DistributedValues)
-  if isinstance(destinations, ok):
-    if isinstance(destinations, str) and not destinations:
-      raise ValueError(f"{api}: destinations must not be an empty string.")
-    return
-  if isinstance(destinations, (list, tuple)) and destinations and all(
-      isinstance(d, ok) for d in destinations):
-    return
-  raise ValueError(
-      f"{api}: destinations must be a device (string or torch.device), a tensor, "
-      f"a distributed value, or a non-empty list of them; got {destinations!r}.")
-

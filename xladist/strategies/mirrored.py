@@ -4,20 +4,24 @@ import torch
 from torch.optim import optimizer as torch_optimizer
 
 from xladist import _runtime, context
+from xladist._global_view import check_axis as _check_axis
 from xladist._region import HOST_READ_MESSAGE, Region
 from xladist._variables import VariableStore
+from xladist.communication_options import CommunicationOptions
+from xladist.cross_device_ops import check_cross_device_ops
 from xladist.reduce_util import ReduceOp
 from xladist.replica_context import ReplicaContext
-from xladist.strategy import (Strategy, StrategyExtended, _concat_stacked,
-                              _check_axis, flatten, unflatten)
+from xladist.strategy import Strategy, StrategyExtended, _concat_stacked, flatten, unflatten
 from xladist.values import Mirrored, PerReplica
 
 
 class SPMDExtended(StrategyExtended):
   """Replicas are coordinates of a mesh's replica axis; `run` is one manual region."""
 
-  def __init__(self, strategy):
+  def __init__(self, strategy, cross_device_ops=None, communication_options=None):
     super().__init__(strategy)
+    self._cross_device_ops = check_cross_device_ops(cross_device_ops, type(strategy).__name__)
+    self._communication_options = communication_options or CommunicationOptions()
     n = _runtime.num_devices()
     self._device_names = tuple(f"xla:{i}" for i in range(n))
     self._store = VariableStore(_place_variable)
@@ -128,26 +132,39 @@ class SPMDExtended(StrategyExtended):
       p.grad = g
 
   # -- cross-replica operations ------------------------------------------------------------
-  def _reduce(self, reduce_op, value, axis):
+  def _options(self, options):
+    """The strategy's communication options, overridden by a call's."""
+    return self._communication_options.merge(options)
+
+  def _reduce(self, reduce_op, value, axis, options=None):
     if isinstance(value, PerReplica) and value._local is not None:
-      return self._batch_reduce_local(reduce_op, [value], [axis])[0]
+      return self._batch_reduce_local(reduce_op, [value], [axis], options)[0]
+    if axis is None:
+      return self._cross_device_ops._reduce_global(reduce_op, value,
+                                                    self._num_replicas_in_sync)
     return super()._reduce(reduce_op, value, axis)
 
-  def _batch_reduce(self, reduce_op, values):
+  def _batch_reduce(self, reduce_op, values, options=None):
     local = [i for i, v in enumerate(values)
              if isinstance(v, PerReplica) and v._local is not None]
     local_set = set(local)
-    out = [None if i in local_set else self._reduce(reduce_op, v, None)
-           for i, v in enumerate(values)]
+    out = [None] * len(values)
+    others = [i for i in range(len(values)) if i not in local_set]
+    if others:
+      reduced = self._cross_device_ops._reduce_global_batch(
+          reduce_op, [values[i] for i in others], self._num_replicas_in_sync,
+          self._options(options))
+      for i, r in zip(others, reduced):
+        out[i] = r
     if local:
       reduced = self._batch_reduce_local(reduce_op, [values[i] for i in local],
-                                         [None] * len(local))
+                                         [None] * len(local), options)
       for i, r in zip(local, reduced):
         out[i] = r
     return out
 
-  def _batch_reduce_local(self, reduce_op, values, axes):
-    """Reduces merge_call PerReplica values with one packed all-reduce per dtype."""
+  def _batch_reduce_local(self, reduce_op, values, axes, options=None):
+    """Reduces merge_call PerReplica values with the strategy's CrossDeviceOps."""
     tensors = []
     for v, axis in zip(values, axes):
       local, region = v._local
@@ -158,7 +175,12 @@ class SPMDExtended(StrategyExtended):
       elif reduce_op is ReduceOp.MEAN and not local.is_floating_point():
         local = local.float()
       tensors.append(local)
-    return self._region.all_reduce(reduce_op, tensors)
+    return self._all_reduce_local(reduce_op, tensors, options)
+
+  def _all_reduce_local(self, reduce_op, tensors, options=None):
+    """All-reduces local tensors of the active step (ReplicaContext.all_reduce, merge_call)."""
+    return self._cross_device_ops._all_reduce_local(reduce_op, tensors, self._region,
+                                                    self._options(options))
 
   def _gather(self, value, axis):
     if isinstance(value, PerReplica) and value._local is not None:
@@ -194,24 +216,31 @@ class MirroredStrategy(Strategy):
     devices: None (all local XLA devices), or a list naming every local device
       ("xla:0", "xla:1", ... or torch.device objects). A subset is rejected:
       torch_xla 2.9 requires an SPMD mesh to cover every device.
-    cross_device_ops: must be None for now: every reduction is an XLA all-reduce
-      packed per dtype. Choosing another CrossDeviceOps is a documented gap
-      (docs/architecture.md, "Not yet built").
+    cross_device_ops: how reductions are packed and combined: None (the
+      default: every reduction is an XLA all-reduce, one per dtype of a batch
+      reduction), `NcclAllReduce(num_packs)`, `HierarchicalCopyAllReduce(num_packs)`
+      or `ReductionToOneDevice(accumulation_fn=...)`. Used by `strategy.reduce`,
+      `extended.reduce_to` / `batch_reduce_to`, `ReplicaContext.all_reduce` and
+      the gradient aggregation of `optimizer.step()`.
+    communication_options: an `experimental.CommunicationOptions` used by every
+      reduction (a call's own options override the fields they set).
 
   Raises:
     ValueError: `devices` is not the list of all local XLA devices.
-    NotImplementedError: a `cross_device_ops` was given.
+    TypeError: `cross_device_ops` is not a CrossDeviceOps, or
+      `communication_options` is not a CommunicationOptions.
   """
 
-  def __init__(self, devices=None, cross_device_ops=None):
+  def __init__(self, devices=None, cross_device_ops=None, communication_options=None):
     _runtime.initialize()
     _check_devices(devices, "MirroredStrategy")
-    if cross_device_ops is not None:
-      raise NotImplementedError(
-          "MirroredStrategy(cross_device_ops=...): choosing a CrossDeviceOps is not "
-          "built yet; every reduction already lowers to a packed XLA all-reduce. "
-          "Pass cross_device_ops=None.")
-    super().__init__(SPMDExtended(self))
+    if communication_options is not None and not isinstance(
+        communication_options, CommunicationOptions):
+      raise TypeError(
+          "MirroredStrategy(communication_options=...): expected an "
+          "xladist.experimental.CommunicationOptions or None, got "
+          f"{type(communication_options).__name__}.")
+    super().__init__(SPMDExtended(self, cross_device_ops, communication_options))
 
 
 def _check_devices(devices, api):
