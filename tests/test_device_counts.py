@@ -65,3 +65,25 @@ def test_torch_xla_used_without_spmd_first_is_a_clear_error():
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "ERROR: xladist runs every strategy as one SPMD program, but torch_xla was already used in its non-SPMD mode" in proc.stdout
   assert "Create the xladist strategy before touching any XLA device" in proc.stdout
+
+
+def test_an_error_in_a_step_shown_by_pytest_does_not_abort_the_process(tmp_path):
+  # pytest's long tracebacks print every frame's arguments; those of the step
+  # function are replica-local views, which torch_xla cannot read after the step.
+  (tmp_path / "test_boom.py").write_text(
+      "import torch, xladist as xd\n"
+      "def test_step_raises():\n"
+      "  s = xd.MirroredStrategy()\n"
+      "  x = s.experimental_distribute_values_from_function(lambda c: torch.ones(3))\n"
+      "  def step(v, scale=2):\n"
+      "    w = v * scale\n"
+      "    raise KeyError('boom in the step')\n"
+      "  s.run(step, args=(x,))\n")
+  proc = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=long",
+       str(tmp_path / "test_boom.py")],
+      env=_env(4), capture_output=True, text=True, timeout=120, cwd=tmp_path)
+  out = proc.stdout + proc.stderr
+  assert proc.returncode == 1, out[-3000:]  # a failed test, not a crash
+  assert "KeyError: 'boom in the step'" in out
+  assert "1 failed" in out and "IsManual" not in out

@@ -77,30 +77,37 @@ class SPMDExtended(StrategyExtended):
     hook = torch_optimizer.register_optimizer_step_pre_hook(self._before_step)
     self._region = region
     try:
-      leaves, spec = flatten((args, kwargs))
-      args, kwargs = unflatten(spec, [region.enter_value(x) for x in leaves])
-      store.enter(step)
-      mode = context._Mode(strategy, replica_context=ReplicaContext(strategy, region))
-      context.push(mode)
-      try:
-        with _runtime.no_execution():
-          out = fn(*args, **kwargs)
-      finally:
-        context.pop(mode)
-      leaves, spec = flatten(out)
-      result = unflatten(spec, [region.exit_value(x) for x in leaves])
-      store.exit(step, region.global_replicated)
-      return result
+      # Only frames below this one hold replica-local views (see _clear_step_frames).
+      return self._trace(fn, args, kwargs, region)
     except _runtime.HostReadInStep as e:
       store.restore(step)
       raise RuntimeError(HOST_READ_MESSAGE.format(detail=str(e))) from None
-    except BaseException:
+    except BaseException as e:
       store.restore(step)
+      _clear_step_frames(e.__traceback__)
       raise
     finally:
       hook.remove()
       region.close()
       self._region = None
+
+  def _trace(self, fn, args, kwargs, region):
+    """Enters the region, traces `fn` once for all replicas, leaves the region."""
+    strategy, store, step = self._strategy_ref, self._store, region.step
+    leaves, spec = flatten((args, kwargs))
+    local_args, local_kwargs = unflatten(spec, [region.enter_value(x) for x in leaves])
+    store.enter(step)
+    mode = context._Mode(strategy, replica_context=ReplicaContext(strategy, region))
+    context.push(mode)
+    try:
+      with _runtime.no_execution():
+        out = fn(*local_args, **local_kwargs)
+    finally:
+      context.pop(mode)
+    leaves, spec = flatten(out)
+    result = unflatten(spec, [region.exit_value(x) for x in leaves])
+    store.exit(step, region.global_replicated)
+    return result
 
   def _before_step(self, optimizer, args, kwargs):
     """optimizer.step() in a replica context: aggregate the gradients first."""
@@ -188,6 +195,27 @@ class SPMDExtended(StrategyExtended):
       region.require_active("strategy.gather")
       return _concat_stacked(region.gather_stacked(local), axis, "strategy.gather")
     return super()._gather(value, axis)
+
+
+def _clear_step_frames(tb):
+  """Clears the locals of the finished frames below `run` in a traceback.
+
+  They hold replica-local views of the step's tensors; reading one after the
+  step (a traceback printer showing arguments, e.g. pytest's long tracebacks,
+  or a debugger) makes torch_xla 2.9 abort the process ("Check failed:
+  !IsManual()"). The traceback keeps its files, lines and source.
+  """
+  import sys
+  here = sys._getframe(1)  # _call_for_each_replica
+  while tb is not None and tb.tb_frame is not here:
+    tb = tb.tb_next
+  tb = tb.tb_next if tb is not None else None
+  while tb is not None:
+    try:
+      tb.tb_frame.clear()
+    except RuntimeError:  # a frame still running (a generator): leave it
+      pass
+    tb = tb.tb_next
 
 
 def _place_variable(tensor):
