@@ -34,7 +34,7 @@ from xladist.communication_options import CommunicationOptions, check_options
 from xladist.reduce_util import ReduceOp, as_reduce_op
 from xladist._global_view import (check_destinations, reduce_global, reduce_stacked,
                                   stacked_components, to_destinations)
-from xladist.values import DistributedValues, PerReplica
+from xladist.values import DistributedValues, PerReplica, reduce_by_form
 
 _PAIRS_MESSAGE = ("value_destination_pairs should be a list or tuple of tuples of "
                   "PerReplica objects and destinations")
@@ -132,26 +132,18 @@ class CrossDeviceOps:
 
   def _reduce_values(self, reduce_op, values, options):
     """Reduced tensors of `values`: the merge_call (local) ones in one batch."""
-    local = [i for i, v in enumerate(values)
-             if isinstance(v, PerReplica) and v._local is not None]
-    local_set = set(local)
-    out = [None] * len(values)
-    others = [i for i in range(len(values)) if i not in local_set]
-    if others:
-      n = _num_replicas(values[others[0]])
-      for i, r in zip(others, self._reduce_global_batch(
-          reduce_op, [values[i] for i in others], n, options)):
-        out[i] = r
-    if local:
-      region = values[local[0]]._local[1]
+    def reduce_local(vs):
       tensors = []
-      for i in local:
-        t, r = values[i]._local
-        r.require_active("CrossDeviceOps.reduce")
+      for v in vs:
+        t, region = v._local
+        region.require_active("CrossDeviceOps.reduce")
         tensors.append(t)
-      for i, r in zip(local, self._all_reduce_local(reduce_op, tensors, region, options)):
-        out[i] = r
-    return out
+      return self._all_reduce_local(reduce_op, tensors, vs[0]._local[1], options)
+
+    return reduce_by_form(
+        values,
+        lambda vs: self._reduce_global_batch(reduce_op, vs, _num_replicas(vs[0]), options),
+        reduce_local)
 
   def _packs(self, tensors, options):
     """How the tensors of one batch reduction share collectives (lists of indices)."""

@@ -142,3 +142,21 @@ def regroup(values, num_replicas):
   if num_replicas == 1:
     return values[0]
   return PerReplica(values)
+
+
+def reduce_by_form(values, reduce_global, reduce_local):
+  """Reduces a batch of values, each group in one call, results in input order.
+
+  `reduce_local` gets the PerReplica values made inside merge_call (their local
+  form), `reduce_global` all the others; each returns one result per value.
+  """
+  local = [i for i, v in enumerate(values)
+           if isinstance(v, PerReplica) and v._local is not None]
+  local_set = set(local)
+  others = [i for i in range(len(values)) if i not in local_set]
+  out = [None] * len(values)
+  for indices, reduce in ((others, reduce_global), (local, reduce_local)):
+    if indices:
+      for i, r in zip(indices, reduce([values[i] for i in indices])):
+        out[i] = r
+  return out

@@ -12,7 +12,7 @@ from xladist.cross_device_ops import check_cross_device_ops
 from xladist.reduce_util import ReduceOp
 from xladist.replica_context import ReplicaContext
 from xladist.strategy import Strategy, StrategyExtended, _concat_stacked, flatten, unflatten
-from xladist.values import Mirrored, PerReplica
+from xladist.values import Mirrored, PerReplica, reduce_by_form
 
 
 class SPMDExtended(StrategyExtended):
@@ -152,23 +152,11 @@ class SPMDExtended(StrategyExtended):
     return super()._reduce(reduce_op, value, axis)
 
   def _batch_reduce(self, reduce_op, values, options=None):
-    local = [i for i, v in enumerate(values)
-             if isinstance(v, PerReplica) and v._local is not None]
-    local_set = set(local)
-    out = [None] * len(values)
-    others = [i for i in range(len(values)) if i not in local_set]
-    if others:
-      reduced = self._cross_device_ops._reduce_global_batch(
-          reduce_op, [values[i] for i in others], self._num_replicas_in_sync,
-          self._options(options))
-      for i, r in zip(others, reduced):
-        out[i] = r
-    if local:
-      reduced = self._batch_reduce_local(reduce_op, [values[i] for i in local],
-                                         [None] * len(local), options)
-      for i, r in zip(local, reduced):
-        out[i] = r
-    return out
+    return reduce_by_form(
+        values,
+        lambda vs: self._cross_device_ops._reduce_global_batch(
+            reduce_op, vs, self._num_replicas_in_sync, self._options(options)),
+        lambda vs: self._batch_reduce_local(reduce_op, vs, [None] * len(vs), options))
 
   def _batch_reduce_local(self, reduce_op, values, axes, options=None):
     """Reduces merge_call PerReplica values with the strategy's CrossDeviceOps."""
