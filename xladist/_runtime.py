@@ -174,14 +174,10 @@ def place_split(tensor):
 
   Each row is transferred straight to its device (no replicate-then-reshard).
   """
-  import torch_xla
   if tensor.device.type == "xla":
-    t = tensor
-    _xlac()._xla_mark_sharding(t, replica_sharding(t.dim()))
-    return t
-  t = tensor.detach().contiguous()
-  spec = _replica_sharding_spec(t.dim()).xla_spec(t)
-  return torch_xla._XLAC._xla_tensors_from_aten([t], [str(device())], [spec])[0]
+    _xlac()._xla_mark_sharding(tensor, replica_sharding(tensor.dim()))
+    return tensor
+  return place_split_many([tensor])[0]
 
 
 def place_split_many(tensors):
@@ -195,7 +191,7 @@ def place_split_many(tensors):
 def to_local(global_tensor):
   """Enters the manual region: each device gets its own shard of `global_tensor`.
 
-  `global_tensor` must already carry a sharding (see place_* and mark_*).
+  `global_tensor` must already carry a sharding (see place_* and ensure_sharded).
   """
   return _xlac()._spmd_full_to_shard_shape(global_tensor)
 
@@ -205,10 +201,6 @@ def ir_id(tensor):
   the tensor is written (in place, by `.data =`, or by a torch_xla kernel such as
   batch norm's running-statistics update, which does not bump `_version`)."""
   return _xlac()._unique_id_for_ir_and_data(tensor)
-
-
-def mark(tensor, op_sharding):
-  _xlac()._xla_mark_sharding(tensor, op_sharding)
 
 
 def to_global(local_tensor, op_sharding, full_shape):

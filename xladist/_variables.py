@@ -145,9 +145,8 @@ class VariableStore:
 
   def tracks(self, tensor):
     """True when `tensor` is a parameter or buffer of a module this store tracks."""
-    return any(t is tensor for t in self.variables()) or any(
-        t is tensor for m in self.modules()
-        for t in list(m._parameters.values()) + list(m._buffers.values()))
+    return any(t is tensor for m in self.modules()
+               for t in list(m._parameters.values()) + list(m._buffers.values()))
 
   def modules(self):
     for ref in self._modules:

@@ -379,8 +379,7 @@ def _num_replicas(value):
 
 def _in_region():
   """True while a step is being traced (where nothing may be read to the host)."""
-  strategy = context.get_strategy()
-  return context.in_step(strategy) or strategy.extended._in_region()
+  return context.get_strategy().extended._tracing()
 
 
 __all__ = ["CrossDeviceOps", "HierarchicalCopyAllReduce", "NcclAllReduce",

@@ -530,7 +530,7 @@ class StrategyExtended:
     """Bounds the host-side wait for results going to a "cpu" destination."""
     if options is None or options.timeout_seconds is None:
       return
-    if context.in_step(self._strategy_ref) or self._in_region():
+    if self._tracing():
       return  # inside a step nothing is read back, so nothing waits
     tensors = [r for r, d in pairs if isinstance(r, torch.Tensor)
                and r.device.type == "xla" and is_host_destination(d)]
@@ -687,11 +687,16 @@ class StrategyExtended:
     return isinstance(v, torch.Tensor) and store.tracks(v)
 
   def _to_destinations(self, value, destinations):
-    in_region = context.in_step(self._strategy_ref) or self._in_region()
-    return to_destinations(value, destinations, self._num_replicas_in_sync, in_region)
+    return to_destinations(value, destinations, self._num_replicas_in_sync,
+                           self._tracing())
 
   def _in_region(self):
     return False
+
+  def _tracing(self):
+    """True while a step of this strategy is being traced (nothing may be read
+    back to the host then)."""
+    return context.in_step(self._strategy_ref) or self._in_region()
 
   # -- hooks: a strategy overrides these ------------------------------------------
   def _enter_scope(self):

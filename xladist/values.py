@@ -137,13 +137,6 @@ class Mirrored(DistributedValues):
     return self._primary
 
 
-def regroup(values, num_replicas):
-  """Per-replica tensors → the strategy's return value (unwrapped for one replica)."""
-  if num_replicas == 1:
-    return values[0]
-  return PerReplica(values)
-
-
 def reduce_by_form(values, reduce_global, reduce_local):
   """Reduces a batch of values, each group in one call, results in input order.
 
