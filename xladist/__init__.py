@@ -18,6 +18,13 @@ PerReplica
 Mirrored
   A distributed value that is identical on every replica, e.g. a model
   parameter created under `strategy.scope()`.
+logical devices
+  The devices (TPU cores) of one replica when a TPUStrategy gives each replica
+  several: `experimental_split_to_logical_devices` divides a replica's tensor
+  over them, the math unchanged.
+host / worker
+  One process of a multi-host job (MultiWorkerMirroredStrategy, TPUStrategy on
+  a pod); every host runs the same program and feeds its own replicas.
 SyncOnRead
   State that each replica updates on its own and that is reduced (summed or
   averaged) when read in cross-replica context.
@@ -53,7 +60,9 @@ from xladist.input_options import RunOptions
 from xladist.reduce_util import MeanReduction, ReduceOp, SumReduction
 from xladist.replica_context import ReplicaContext, TowerContext
 from xladist.strategies.mirrored import MirroredStrategy
+from xladist.strategies.multi_worker import MultiWorkerMirroredStrategy
 from xladist.strategies.one_device import OneDeviceStrategy
+from xladist.strategies.tpu import TPUStrategy
 from xladist.strategy import Strategy, StrategyExtended
 from xladist.values import DistributedValues, Mirrored, PerReplica
 from xladist.variables import Variable, VariableAggregation, VariableSynchronization
@@ -65,7 +74,8 @@ __all__ = [
     "CrossDeviceOps", "HierarchicalCopyAllReduce", "NcclAllReduce", "ReductionToOneDevice",
     "DistributedDataset", "DistributedIterator", "DistributedValues", "InputContext",
     "InputOptions", "InputReplicationMode", "MeanReduction", "Mirrored",
-    "MirroredStrategy", "OneDeviceStrategy", "PerReplica", "ReduceOp", "ReplicaContext", "RunOptions",
+    "MirroredStrategy", "MultiWorkerMirroredStrategy", "OneDeviceStrategy", "TPUStrategy",
+    "PerReplica", "ReduceOp", "ReplicaContext", "RunOptions",
     "Strategy", "StrategyExtended", "SumReduction", "TowerContext", "current_device",
     "current_strategy", "current_update_device", "experimental",
     "experimental_set_strategy", "get_cross_replica_context", "get_replica_context",

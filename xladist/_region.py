@@ -14,7 +14,7 @@ leaving converts every output (and the variables) back to global views:
 
 import torch
 
-from xladist import _runtime, collectives
+from xladist import _logical, _runtime, collectives
 from xladist._variables import Step
 from xladist.values import DistributedValues, Mirrored, PerReplica
 
@@ -38,6 +38,7 @@ class Region:
     self.active = True
     self.step = Step(self)
     self._replica_id = None
+    self._core_axis = None
 
   # -- replica id ---------------------------------------------------------------
   @property
@@ -47,6 +48,15 @@ class Region:
       iota = self.strategy.extended._replica_iota()
       self._replica_id = _runtime.to_local(iota).reshape(())
     return self._replica_id
+
+  @property
+  def core_axis(self):
+    """This device's place among its replica's cores (TPUStrategy logical devices)."""
+    if self._core_axis is None:
+      iota = self.strategy.extended._device_iota()
+      self._core_axis = _logical.CoreAxis(self.num_replicas,
+                                          _runtime.to_local(iota).reshape(()))
+    return self._core_axis
 
   def require_active(self, api):
     if not self.active:
@@ -89,10 +99,12 @@ class Region:
 
   # -- leaving --------------------------------------------------------------------
   def exit_value(self, value):
+    value = _logical.whole(value)
     if isinstance(value, torch.Tensor) and value.device.type == "xla":
       local = value.detach().unsqueeze(0)
       full = torch.Size((self.num_replicas,) + tuple(value.shape))
-      stacked = _runtime.to_global(local, _runtime.replica_sharding(local.dim()), full)
+      stacked = _runtime.to_global(local, _runtime.replica_sharding(local.dim(), self.num_replicas),
+                                     full)
       if self.num_replicas == 1:
         return stacked.squeeze(0)
       return PerReplica._from_stacked(stacked, self.num_replicas)

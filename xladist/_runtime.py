@@ -29,6 +29,7 @@ import threading
 import numpy as np
 
 REPLICA_AXIS = "replica"
+CORE_AXIS = "core"
 DEFAULT_CPU_DEVICES = 4
 _GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips are PCI devices of Google's vendor id
 
@@ -106,21 +107,56 @@ def device():
   return initialize().device
 
 
-@functools.lru_cache(maxsize=None)
-def mesh():
-  """A 1-D mesh over all devices whose only axis is the replica axis.
+def cores_per_replica(num_replicas=None):
+  """How many devices (TF's logical devices, "cores") each replica spans.
 
-  torch_xla 2.9 rejects a mesh over a subset of the devices, so the mesh always
-  covers all of them.
+  A strategy with R replicas on N devices gives each replica N / R devices.
+
+  Raises:
+    ValueError: R does not divide the number of devices.
+  """
+  n = num_devices()
+  r = n if num_replicas is None else num_replicas
+  if r < 1 or n % r:
+    raise ValueError(
+        f"{r} replicas cannot share this process's {n} XLA devices evenly: every "
+        "replica spans the same number of devices (a divisor of the device count).")
+  return n // r
+
+
+@functools.lru_cache(maxsize=None)
+def mesh(num_replicas=None):
+  """The mesh of a strategy with `num_replicas` replicas (default: one per device).
+
+  One device per replica: a 1-D mesh whose only axis is the replica axis. k > 1
+  devices per replica: a (replicas, k) mesh named ("replica", "core"); replica r
+  spans devices r*k .. r*k + k - 1. torch_xla 2.9 rejects a mesh over a subset of
+  the devices, so the mesh always covers all of them.
   """
   import torch_xla.distributed.spmd as xs
   n = num_devices()
-  return xs.Mesh(np.arange(n), (n,), (REPLICA_AXIS,))
+  k = cores_per_replica(num_replicas)
+  if k == 1:
+    return xs.Mesh(np.arange(n), (n,), (REPLICA_AXIS,))
+  return xs.Mesh(np.arange(n), (n // k, k), (REPLICA_AXIS, CORE_AXIS))
 
 
-def replica_groups():
-  """The one replica group (global device ids) for collectives over all replicas."""
-  return [list(range(num_devices()))]
+def replica_groups(num_replicas=None):
+  """The groups (global device ids) of a collective over the replicas.
+
+  With k devices per replica there are k groups, one per core index: core c of
+  every replica reduces with core c of the others.
+  """
+  n = num_devices()
+  k = cores_per_replica(num_replicas)
+  return [list(range(c, n, k)) for c in range(k)]
+
+
+def core_groups(num_replicas):
+  """The groups (global device ids) of a collective over one replica's devices."""
+  n = num_devices()
+  k = cores_per_replica(num_replicas)
+  return [list(range(r, r + k)) for r in range(0, n, k)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -129,15 +165,24 @@ def replicated_sharding(ndim):
 
 
 @functools.lru_cache(maxsize=None)
-def replica_sharding(ndim):
-  """Dim 0 split over the replica axis, the other dims whole."""
-  return mesh().get_op_sharding((0,) + (None,) * (ndim - 1))
+def replica_sharding(ndim, num_replicas=None):
+  """Dim 0 split over the replica axis, the other dims whole (and, with several
+  devices per replica, the same on every device of a replica)."""
+  return mesh(num_replicas).get_op_sharding((0,) + (None,) * (ndim - 1))
 
 
 @functools.lru_cache(maxsize=None)
-def _replica_sharding_spec(ndim):
+def device_sharding(num_replicas):
+  """A 1-D tensor of one element per device: element d on device d."""
+  if cores_per_replica(num_replicas) == 1:
+    return replica_sharding(1, num_replicas)
+  return mesh(num_replicas).get_op_sharding(((0, 1),))
+
+
+@functools.lru_cache(maxsize=None)
+def _replica_sharding_spec(ndim, num_replicas):
   import torch_xla.distributed.spmd as xs
-  return xs.ShardingSpec(mesh(), (0,) + (None,) * (ndim - 1))
+  return xs.ShardingSpec(mesh(num_replicas), (0,) + (None,) * (ndim - 1))
 
 
 @functools.lru_cache(maxsize=None)
@@ -170,21 +215,29 @@ def ensure_sharded(tensor):
 
 
 def place_split(tensor):
-  """Puts a host tensor of shape (R, ...) on the mesh, row r on replica r.
+  """Puts a tensor of shape (R, ...) on the mesh of R replicas, row r on replica r.
 
-  Each row is transferred straight to its device (no replicate-then-reshard).
+  Each row of a host tensor is transferred straight to its device(s) (no
+  replicate-then-reshard).
   """
   if tensor.device.type == "xla":
-    _xlac()._xla_mark_sharding(tensor, replica_sharding(tensor.dim()))
+    _xlac()._xla_mark_sharding(tensor, replica_sharding(tensor.dim(), tensor.shape[0]))
     return tensor
   return place_split_many([tensor])[0]
+
+
+def place_per_device(tensor, num_replicas):
+  """Puts a host tensor of shape (num_devices, ...) on the mesh, row d on device d."""
+  t = tensor.to(device())
+  _xlac()._xla_mark_sharding(t, device_sharding(num_replicas))
+  return t
 
 
 def place_split_many(tensors):
   """`place_split` of several host tensors, all transferred in one call."""
   import torch_xla
   ts = [t.detach().contiguous() for t in tensors]
-  specs = [_replica_sharding_spec(t.dim()).xla_spec(t) for t in ts]
+  specs = [_replica_sharding_spec(t.dim(), t.shape[0]).xla_spec(t) for t in ts]
   return torch_xla._XLAC._xla_tensors_from_aten(ts, [str(device())] * len(ts), specs)
 
 
@@ -211,12 +264,15 @@ def to_global(local_tensor, op_sharding, full_shape):
                                      local_tensor.dtype)
 
 
-def spmd_all_reduce(op_name, tensor, scale=1.0):
-  """An HLO all-reduce over all replicas with global device ids (manual regions only).
+def spmd_all_reduce(op_name, tensor, scale=1.0, groups=None):
+  """An HLO all-reduce with global device ids (manual regions only).
 
   `op_name` is "sum", "min" or "max"; the result is multiplied by `scale`.
+  `groups` defaults to all replicas of a one-device-per-replica strategy (see
+  replica_groups and core_groups for the others).
   """
-  return _xlac()._xla_spmd_all_reduce(op_name, tensor, scale, replica_groups())
+  return _xlac()._xla_spmd_all_reduce(op_name, tensor, scale,
+                                      replica_groups() if groups is None else groups)
 
 
 class HostReadInStep(RuntimeError):

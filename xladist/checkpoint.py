@@ -60,8 +60,22 @@ not depend on when the epoch started: pass `generator=torch.Generator().
 manual_seed(seed + epoch)` to the DataLoader of each epoch (the global
 generator has moved on since the saved epoch began).
 
-Only one process writes: xladist runs on one host, so every process is the
-chief. `read(path)` returns a file's content without restoring it.
+Several hosts (MultiWorkerMirroredStrategy): only the chief writes. `save`,
+`write` and `CheckpointManager.save` ask the current strategy's
+`extended.should_checkpoint` (outside any scope: whether this process joined
+its cluster as the chief). Every host still builds the checkpoint's content:
+reading XLA values back may execute pending steps, which are SPMD programs
+all hosts must run together, and a value a checkpoint cannot hold fails on
+every host alike. A non-chief host then writes nothing: TF has non-chief
+workers write to a temporary location and delete it, so that they take part
+in the reads of the save; here those reads happen before any file is touched,
+so a temporary file would only cost disk traffic. A non-chief
+`CheckpointManager` deletes nothing either, and its `save` returns the path the
+chief writes (number checkpoints explicitly, `save(checkpoint_number=step)`,
+when the hosts' views of the directory may differ). Every host restores from
+the chief's file, so put the directory on a file system all hosts share.
+
+`read(path)` returns a file's content without restoring it.
 """
 
 import os
@@ -72,7 +86,7 @@ import threading
 
 import torch
 
-from xladist import context
+from xladist import _multihost, context
 from xladist._checkpoint_io import (FORMAT, VERSION, api_name, check_plain, digest,
                                     load, rng_state, set_rng_state, to_cpu,
                                     write_atomic, xla_tensors)
@@ -199,18 +213,27 @@ class Checkpoint:
   def save(self, path):
     """Writes every object and the RNG states to `path` (atomically).
 
-    Call it outside `strategy.run` (between steps). Reads pending XLA values,
-    which waits for the steps that compute them.
+    Call it outside `strategy.run` (between steps), on every host. Reads
+    pending XLA values, which waits for the steps that compute them. Only a
+    process whose strategy has `extended.should_checkpoint` (the chief) writes
+    the file; the others read the values alike and write nothing (see the
+    module docstring).
 
     Returns:
-      `path`.
+      `path` (on every host: the file the chief writes).
 
     Raises:
       RuntimeError: called inside `strategy.run`.
       TypeError: a value or state dict holds something a checkpoint cannot.
     """
-    write_atomic(path, self._content())
+    content = self._content()
+    if should_write():
+      write_atomic(path, content)
     return path
+
+  def write(self, path):
+    """Same as `save` (TF's counter-less form; xladist's `save` adds no counter)."""
+    return self.save(path)
 
   def restore(self, path):
     """Loads `path` into the objects, its RNG states into the generators.
@@ -309,6 +332,17 @@ def _check_entry(path, name, kind, obj, value):
           "iterator of the same kind of dataset.")
 
 
+def should_write():
+  """Whether this process writes checkpoint files.
+
+  Inside a strategy's scope: its `extended.should_checkpoint`. Outside any
+  scope: True unless this process joined a multi-host cluster as a non-chief.
+  """
+  if context.has_strategy():
+    return bool(context.get_strategy().extended.should_checkpoint)
+  return _multihost.process_is_chief()
+
+
 def _require_outside_step(what):
   modes = context._stack.modes
   if modes and modes[-1].replica_context is not None:
@@ -398,6 +432,9 @@ class CheckpointManager:
   def save(self, checkpoint_number=None):
     """Saves a new checkpoint and deletes the oldest beyond `max_to_keep`.
 
+    On several hosts only the chief writes and deletes files (see
+    `Checkpoint.save`); call it on every host.
+
     Args:
       checkpoint_number: the number in the file name; default: one more than
         the newest checkpoint's (1 for the first). Saving under an existing
@@ -419,7 +456,7 @@ class CheckpointManager:
           f"non-negative int or None (the next number), got {checkpoint_number!r}.")
     path = os.path.join(self._directory, f"{self._name}-{checkpoint_number}.pt")
     self._checkpoint.save(path)
-    if self._max_to_keep is not None:
+    if self._max_to_keep is not None and should_write():
       for _, old in self._numbered()[:-self._max_to_keep]:
         if old != path:
           try:

@@ -28,13 +28,14 @@ _HLO_OP = {ReduceOp.SUM: "sum", ReduceOp.MEAN: "sum", ReduceOp.MIN: "min",
 
 
 def _reduce_flat(op, flat, num_replicas):
-  """One all-reduce of a 1-D buffer."""
+  """One all-reduce of a 1-D buffer over the replicas."""
+  groups = _runtime.replica_groups(num_replicas)
   if op is ReduceOp.MEAN and flat.is_floating_point():
-    return _runtime.spmd_all_reduce("sum", flat, 1.0 / num_replicas)
+    return _runtime.spmd_all_reduce("sum", flat, 1.0 / num_replicas, groups)
   if flat.dtype == torch.bool:
-    out = _runtime.spmd_all_reduce(_HLO_OP[op], flat.to(torch.int32))
+    out = _runtime.spmd_all_reduce(_HLO_OP[op], flat.to(torch.int32), 1.0, groups)
     return out.bool() if op is not ReduceOp.SUM else out
-  out = _runtime.spmd_all_reduce(_HLO_OP[op], flat)
+  out = _runtime.spmd_all_reduce(_HLO_OP[op], flat, 1.0, groups)
   if op is ReduceOp.MEAN:  # integers: the floor of the mean, dtype kept
     out = torch.div(out, num_replicas, rounding_mode="floor")
   return out
@@ -178,7 +179,8 @@ class _GatherStacked(torch.autograd.Function):
 def _gather_stacked(local, replica_id, num_replicas):
   src = local.to(torch.int32) if local.dtype == torch.bool else local
   rows = _one_hot_rows(src, replica_id, num_replicas)
-  out = _runtime.spmd_all_reduce("sum", rows.reshape(-1)).view(rows.shape)
+  out = _runtime.spmd_all_reduce("sum", rows.reshape(-1), 1.0,
+                                 _runtime.replica_groups(num_replicas)).view(rows.shape)
   return out.bool() if local.dtype == torch.bool else out
 
 

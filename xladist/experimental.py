@@ -2,5 +2,7 @@
 
 from xladist.communication_options import CommunicationImplementation, CommunicationOptions
 from xladist.input_options import ValueContext
+from xladist.strategies.tpu import DeviceAssignment
 
-__all__ = ["CommunicationImplementation", "CommunicationOptions", "ValueContext"]
+__all__ = ["CommunicationImplementation", "CommunicationOptions", "DeviceAssignment",
+           "ValueContext"]

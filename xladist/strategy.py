@@ -89,6 +89,16 @@ class Strategy:
     return self._extended
 
   @property
+  def cluster_resolver(self):
+    """The cluster resolver of a multi-host strategy (TPU, multi-worker), else None.
+
+    As in TF: MultiWorkerMirroredStrategy and TPUStrategy return the resolver
+    they were built from; MirroredStrategy, OneDeviceStrategy and the default
+    strategy return None.
+    """
+    return self._extended._cluster_resolver
+
+  @property
   def num_replicas_in_sync(self):
     """How many replicas take part in each step."""
     return self._extended._num_replicas_in_sync
@@ -425,6 +435,7 @@ class StrategyExtended:
   """The advanced API of a strategy; `strategy.extended`."""
 
   _device_names = ("cpu",)
+  _cluster_resolver = None  # a multi-host strategy's resolver (strategy.cluster_resolver)
 
   def __init__(self, strategy):
     self._strategy_ref = strategy
@@ -443,6 +454,39 @@ class StrategyExtended:
   def parameter_devices(self):
     """The devices mirrored variables live on (all replica devices)."""
     return tuple(self._device_names)
+
+  # -- host-level facts (TF's meanings) ------------------------------------------
+  @property
+  def experimental_between_graph(self):
+    """Whether each host runs its own program for its own replicas (between-graph).
+
+    False for single-host strategies (one program holds every replica); True
+    for MultiWorkerMirroredStrategy, where every host runs this process.
+    """
+    return False
+
+  @property
+  def experimental_should_init(self):
+    """Whether this process should initialise the variables (True: every host does)."""
+    return True
+
+  @property
+  def should_checkpoint(self):
+    """Whether this process should write checkpoints.
+
+    True on one host; on several hosts only on the chief
+    (`cluster_resolver.is_chief`). `xladist.checkpoint` honours it: the other
+    hosts take part in the save but write nothing.
+    """
+    return True
+
+  @property
+  def should_save_summary(self):
+    """Whether this process should write summaries (logs, metrics files).
+
+    True on one host; on several hosts only on the chief.
+    """
+    return True
 
   @property
   def experimental_gradient_aggregation(self):

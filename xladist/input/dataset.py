@@ -8,7 +8,10 @@ Every element is built in the prefetch thread (`prefetch.py`):
 2. each tensor becomes a host tensor of shape (N, b, ...) whose row r is replica
    r's per-replica batch: a global batch of B = N * b rows gives replica r the
    rows [r * b, (r + 1) * b) (a view, no copy); per-replica batches from
-   `distribute_datasets_from_function` are stacked;
+   `distribute_datasets_from_function` are stacked. On several hosts
+   (`hosts=(num_hosts, host_index)`) a host keeps only the rows of its own
+   replicas (see `sharding.py` for the policy), so the tensor has one row per
+   local replica;
 3. with `experimental_fetch_to_device` the strategy places it: on a
    MirroredStrategy one transfer sends row r straight to replica r's device and
    the tensor becomes a `PerReplica`; a single-replica strategy gets the batch
@@ -27,6 +30,7 @@ import torch
 
 from xladist.input import prefetch
 from xladist.input.options import InputReplicationMode
+from xladist.input.sharding import host_replica_ids
 from xladist.values import DistributedValues, PerReplica
 
 _NOTHING = object()
@@ -88,12 +92,17 @@ def _larger_error(api, what, size, full):
 
 
 class _Builder:
-  """Turns host batches into elements (runs in the prefetch thread)."""
+  """Turns host batches into elements (runs in the prefetch thread).
 
-  def __init__(self, num_replicas, options, place):
+  `num_replicas`: the replicas a global batch is split between; `rows`: None,
+  or the range of replicas whose rows this host keeps (multi-host).
+  """
+
+  def __init__(self, num_replicas, options, place, rows=None):
     self.n = num_replicas
     self.partial = options.experimental_partial_batch
     self.place = place
+    self.rows = rows
 
   def element(self, spec, leaves, mask):
     """`leaves`: (N, b, ...) host tensors and passed-through values."""
@@ -118,10 +127,14 @@ class _Builder:
           padded[:size] = t
           t = padded
         t = t.reshape((n, b) + tuple(t.shape[1:]))
+        if self.rows is not None:
+          t = t[self.rows.start:self.rows.stop]
       out.append(t)
     mask = None
     if self.partial == "mask":
       mask = (torch.arange(full) < size).to(torch.float32).reshape(n, b)
+      if self.rows is not None:
+        mask = mask[self.rows.start:self.rows.stop]
     return out, mask
 
   def from_chunks(self, chunks, sizes, b):
@@ -268,27 +281,50 @@ def _host_place(num_replicas, tensors):
   return [PerReplica(tuple(t.unbind(0))) for t in tensors]
 
 
-def _placer(extended, options):
+def _placer(extended, options, num_local):
   if options.experimental_fetch_to_device or options.experimental_place_dataset_on_device:
     return extended._place_inputs
-  return functools.partial(_host_place, extended._num_replicas_in_sync)
+  return functools.partial(_host_place, num_local)
 
 
-def from_dataset(extended, dataset, options, api):
-  """The DistributedDataset of `experimental_distribute_dataset`."""
-  builder = _Builder(extended._num_replicas_in_sync, options, _placer(extended, options))
+def _host_rows(extended, hosts):
+  """(all replicas, the range this host feeds or None) for `hosts`."""
+  n = extended._num_replicas_in_sync
+  if hosts is None:
+    return n, None
+  return n, host_replica_ids(hosts[0], hosts[1], n)
+
+
+def from_dataset(extended, dataset, options, api, hosts=None):
+  """The DistributedDataset of `experimental_distribute_dataset`.
+
+  `hosts`: None (one host: every replica is fed here), or (num_hosts,
+  host_index): this host reads every global batch and keeps the rows of its
+  replicas (`sharding.host_replica_ids`); its elements have one row per local
+  replica, in `extended._place_inputs`'s input.
+  """
+  n, rows = _host_rows(extended, hosts)
+  local = n if rows is None else len(rows)
+  builder = _Builder(n, options, _placer(extended, options, local), rows)
   return DistributedDataset._make(
       functools.partial(_global_batch_elements, dataset, builder, api), options,
-      _Layout(builder.n, global_batches=True))
+      _Layout(n, global_batches=True))
 
 
-def from_datasets(extended, datasets, options, api):
-  """The DistributedDataset of `distribute_datasets_from_function`."""
-  builder = _Builder(extended._num_replicas_in_sync, options, _placer(extended, options))
+def from_datasets(extended, datasets, options, api, hosts=None):
+  """The DistributedDataset of `distribute_datasets_from_function`.
+
+  `datasets`: this host's pipelines (one, PER_WORKER; one per local replica,
+  PER_REPLICA). `hosts` as in `from_dataset`: each step takes one per-replica
+  batch per LOCAL replica.
+  """
+  n, rows = _host_rows(extended, hosts)
+  local = n if rows is None else len(rows)
+  builder = _Builder(local, options, _placer(extended, options, local))
   per_worker = options.experimental_replication_mode is InputReplicationMode.PER_WORKER
   return DistributedDataset._make(
       functools.partial(_per_replica_elements, datasets, per_worker, builder, api),
-      options, _Layout(builder.n, global_batches=False))
+      options, _Layout(n, global_batches=False))
 
 
 class _Layout:

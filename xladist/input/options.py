@@ -7,9 +7,11 @@ import enum
 class InputReplicationMode(enum.Enum):
   """How many input pipelines `distribute_datasets_from_function` makes.
 
-  `PER_WORKER`: one pipeline per host (xladist runs one host per process, so
-  one pipeline); its consecutive elements go to replicas 0, 1, ..., N-1.
-  `PER_REPLICA`: one pipeline per replica; replica r gets pipeline r's elements.
+  `PER_WORKER`: one pipeline per host (xladist runs one process per host, so
+  one pipeline per process, `input_pipeline_id` = host index); its
+  consecutive elements go to the host's replicas in order.
+  `PER_REPLICA`: one pipeline per replica (`input_pipeline_id` = global
+  replica id); replica r gets pipeline r's elements.
   """
 
   PER_WORKER = "PER_WORKER"

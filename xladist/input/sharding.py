@@ -20,9 +20,14 @@ each host disjoint data (every `num_hosts`-th file or batch, e.g. via
 `distribute_datasets_from_function` and `InputContext.input_pipeline_id`); it
 reads each example once but the global batch then depends on the host count.
 
-These are pure functions (no devices); MultiWorkerMirroredStrategy and
-TPUStrategy use them to cut each host's share before it is split between the
-host's replicas.
+These are pure functions (no devices). MultiWorkerMirroredStrategy uses them
+(through `dataset.from_dataset` / `from_datasets` with `hosts=`): the host
+pads a partial global batch and splits it between all replicas exactly as one
+host would, then keeps its replicas' rows, so padding masks and partial-batch
+errors are the same on every host. `distribute_datasets_from_function` gets
+one `InputContext` per pipeline of this host (`input_contexts`):
+`input_pipeline_id` is the host index (PER_WORKER) or the global replica id
+(PER_REPLICA).
 """
 
 import numpy as np
@@ -169,3 +174,21 @@ def shard_for_input_context(global_batch, input_context):
                     f"got {type(input_context).__name__} {input_context!r}.")
   return host_batch(global_batch, input_context.num_input_pipelines,
                     input_context.input_pipeline_id, input_context.num_replicas_in_sync)
+
+
+def input_contexts(num_hosts, host_index, num_replicas, per_replica=False):
+  """The `InputContext`s of host `host_index`'s input pipelines, in replica order.
+
+  PER_WORKER (`per_replica=False`): one pipeline, `input_pipeline_id` = host
+  index, `num_input_pipelines` = number of hosts. PER_REPLICA: one pipeline
+  per local replica, `input_pipeline_id` = its global replica id,
+  `num_input_pipelines` = `num_replicas`. With one host these are the
+  contexts of a single-host strategy.
+
+  Raises:
+    TypeError, ValueError: as `host_replica_ids`.
+  """
+  replicas = host_replica_ids(num_hosts, host_index, num_replicas)
+  if per_replica:
+    return [InputContext(num_replicas, r, num_replicas) for r in replicas]
+  return [InputContext(num_hosts, host_index, num_replicas)]

@@ -18,15 +18,19 @@ from xladist.values import Mirrored, PerReplica, reduce_by_form
 class SPMDExtended(StrategyExtended):
   """Replicas are coordinates of a mesh's replica axis; `run` is one manual region."""
 
-  def __init__(self, strategy, cross_device_ops=None, communication_options=None):
+  def __init__(self, strategy, cross_device_ops=None, communication_options=None,
+               cores_per_replica=1):
     super().__init__(strategy)
     self._cross_device_ops = check_cross_device_ops(cross_device_ops, type(strategy).__name__)
     self._communication_options = communication_options or CommunicationOptions()
     n = _runtime.num_devices()
-    self._device_names = tuple(f"xla:{i}" for i in range(n))
+    # Replica r spans devices r*k .. r*k + k - 1 and is named after the first.
+    self._cores_per_replica = cores_per_replica
+    self._device_names = tuple(f"xla:{i}" for i in range(0, n, cores_per_replica))
     self._store = VariableStore(_place_variable)
     self._region = None
     self._iota = None
+    self._device_iota_global = None
 
   # -- hooks ------------------------------------------------------------------------
   def _enter_scope(self):
@@ -61,6 +65,14 @@ class SPMDExtended(StrategyExtended):
       self._iota = _runtime.place_split(
           torch.arange(self._num_replicas_in_sync, dtype=torch.int32))
     return self._iota
+
+  def _device_iota(self):
+    """Element d on device d (a replica's cores find their index from it)."""
+    if self._device_iota_global is None:
+      self._device_iota_global = _runtime.place_per_device(
+          torch.arange(_runtime.num_devices(), dtype=torch.int32),
+          self._num_replicas_in_sync)
+    return self._device_iota_global
 
   # -- run ------------------------------------------------------------------------------
   def _call_for_each_replica(self, fn, args, kwargs):

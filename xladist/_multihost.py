@@ -1,0 +1,452 @@
+"""Multi-host initialisation: a cluster resolver's cluster -> torch_xla's multi-host runtime.
+
+xladist runs one process per host and ONE SPMD program over a mesh of every
+host's devices; the collectives between hosts are torch_xla's (PJRT's), nothing
+is home-made. What this module does is tell torch_xla, before its runtime
+starts, which hosts form the job and which one this process is, and check
+afterwards that the runtime agrees with the cluster resolver.
+
+How torch_xla 2.9 forms a multi-host runtime (read from its source; the PJRT
+client is created the first time an XLA device is touched):
+
+* XLA:CPU: the PJRT CPU client gets a device count (`CPU_NUM_DEVICES`) and no
+  distributed options, so a process is always a runtime of its own
+  (`xr.process_count() == 1`). Only single-worker clusters can run on it.
+* TPU: libtpu's PJRT client finds the other hosts of the slice itself, from
+  the TPU VM's environment (the VM metadata, or the variables
+  `TPU_WORKER_ID` and `TPU_WORKER_HOSTNAMES` that GKE sets and that torch_xla's
+  own TPU helpers read too). The client's creation waits until every host has
+  joined.
+* PJRT plugins (`PJRT_DYNAMIC_PLUGINS=1`, a plugin whose
+  `requires_xla_coordinator()` is true): torch_xla starts its coordinator (XLA's
+  distributed runtime service, run by process 0) from the torchrun-style
+  variables `RANK`, `WORLD_SIZE`, `LOCAL_RANK` / `PJRT_LOCAL_PROCESS_RANK`,
+  `LOCAL_WORLD_SIZE` / `PJRT_LOCAL_PROCESS_COUNT`, `MASTER_ADDR` and
+  `XLA_COORDINATOR_PORT` (default 8547).
+
+The mapping from a cluster to these settings (`cluster_info`, `runtime_env`,
+`apply_env`, `check_runtime`, `local_shard_rows`) is made of pure functions so
+that it can be tested without a second host. Process order: the "chief" task
+(if the cluster has one) is process 0, then the "worker" tasks by index, as in
+TF's MultiWorkerMirroredStrategy; the chief's (else worker 0's) address is the
+coordinator's.
+"""
+
+import dataclasses
+import os
+import threading
+
+from xladist import _runtime
+from xladist import cluster_resolver as resolvers
+from xladist.input.sharding import host_replica_ids
+
+DEFAULT_JOIN_TIMEOUT_SECONDS = 600.0
+COORDINATOR_DEFAULT_PORT = "8547"  # torch_xla 2.9's XlaCoordinator default
+
+_lock = threading.Lock()
+_process_cluster = None  # the ClusterInfo this process joined, once a strategy did
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterInfo:
+  """What a cluster resolver says about the hosts of a job.
+
+  Attributes:
+    num_workers: the number of hosts (processes) that run the SPMD program.
+    task_index: this process's index among them (0 .. num_workers - 1).
+    is_chief: whether this process is the chief (`cluster_resolver.is_chief`).
+    hosts: the hosts' addresses ("host:port" or "host") in process order.
+    coordinator: the chief's (else worker 0's) address, or None for one host.
+    task: this process's (task_type, task_id) in the resolver's terms.
+  """
+
+  num_workers: int
+  task_index: int
+  is_chief: bool
+  hosts: tuple
+  coordinator: object
+  task: tuple
+
+
+def cluster_info(cluster_resolver, api):
+  """Validates `cluster_resolver` and describes its cluster as a `ClusterInfo`.
+
+  An empty cluster (no TF_CONFIG, `SimpleClusterResolver({})`) is one host.
+  Otherwise the cluster needs a "worker" or "chief" job; "evaluator" tasks may
+  be listed (they are not part of the job); other jobs are refused.
+
+  Raises:
+    TypeError: `cluster_resolver` is not a `ClusterResolver`.
+    ValueError: the cluster has no worker or chief, has jobs this strategy
+      cannot run ("ps"), more than one chief, gaps in the worker indices, or
+      does not contain this process's task; or this task is an evaluator.
+  """
+  if not isinstance(cluster_resolver, resolvers.ClusterResolver):
+    raise TypeError(
+        f"{api}(cluster_resolver=...): expected an xladist.cluster_resolver."
+        "ClusterResolver (TFConfigClusterResolver, SimpleClusterResolver, "
+        f"TPUClusterResolver) or None, got {type(cluster_resolver).__name__} "
+        f"{cluster_resolver!r:.80}.")
+  spec = cluster_resolver.cluster_spec()
+  task_type, task_id = cluster_resolver.task_type, cluster_resolver.task_id
+  if not spec:
+    return ClusterInfo(1, 0, True, (), None, (task_type, task_id))
+  jobs = spec.as_dict()
+  where = f"{api}: the cluster {jobs}"
+  other = sorted(set(jobs) - {"chief", "worker", "evaluator"})
+  if other:
+    raise ValueError(
+        f"{where} has the job(s) {other}; this strategy runs every host as a "
+        "\"chief\" or \"worker\" task of one synchronous job (parameter servers "
+        "are ParameterServerStrategy's). Remove them from the cluster.")
+  if "chief" not in jobs and "worker" not in jobs:
+    raise ValueError(
+        f"{where} has no \"worker\" or \"chief\" job; list the hosts as "
+        "{\"worker\": [\"host0:port\", \"host1:port\", ...]}.")
+  chiefs = spec.task_indices("chief") if "chief" in jobs else []
+  if chiefs and chiefs != [0]:
+    raise ValueError(f"{where} has the chief tasks {chiefs}; a cluster has at most "
+                     "one chief, task 0 of job \"chief\".")
+  workers = spec.task_indices("worker") if "worker" in jobs else []
+  if workers != list(range(len(workers))):
+    raise ValueError(f"{where} has the worker indices {workers}; they must be 0 .. "
+                     f"{len(workers) - 1} without gaps.")
+  if task_type is None or task_id is None:
+    raise ValueError(
+        f"{where} does not say which task this process is (task_type="
+        f"{task_type!r}, task_id={task_id!r}); set TF_CONFIG's \"task\" or the "
+        "resolver's task_type and task_id.")
+  if task_type == "evaluator":
+    raise ValueError(
+        f"{api}: this process is the evaluator task, which is not part of the "
+        "training job; evaluate with a single-host strategy there "
+        "(MirroredStrategy or OneDeviceStrategy).")
+  if task_type not in ("chief", "worker"):
+    raise ValueError(f"{where}: this process's task type {task_type!r} is not "
+                     "\"chief\" or \"worker\"; fix the resolver's task_type.")
+  indices = chiefs if task_type == "chief" else workers
+  if task_id not in indices:
+    raise ValueError(
+        f"{where} has no task {task_id} in job {task_type!r} (its tasks are "
+        f"{indices}); fix the resolver's task_id (TF_CONFIG's \"task\" index).")
+  hosts = tuple([spec.task_address("chief", 0) for _ in chiefs] +
+                [spec.task_address("worker", i) for i in workers])
+  for address in hosts:
+    split_address(address, api)
+  index = task_id + len(chiefs) if task_type == "worker" else 0
+  return ClusterInfo(len(hosts), index, resolvers.is_chief(cluster_resolver), hosts,
+                     hosts[0] if len(hosts) > 1 else None, (task_type, task_id))
+
+
+def split_address(address, api):
+  """("host", "port" or None) of "host:port", "host", "[v6]:port" or "[v6]".
+
+  Raises:
+    ValueError: the address is empty or its port is not a number in 1..65535.
+  """
+  if not address:
+    raise ValueError(f"{api}: a task of the cluster has an empty address; give every "
+                     "host as 'host:port'.")
+  if address.startswith("["):
+    host, sep, rest = address.partition("]")
+    host += sep
+    if rest and not rest.startswith(":"):
+      raise ValueError(f"{api}: the address {address!r} is malformed; expected "
+                       "'[ipv6]:port'.")
+    port = rest[1:] or None
+  elif address.count(":") == 1:
+    host, port = address.split(":")
+  else:
+    host, port = address, None
+  if not host or (port is not None and not (port.isdigit() and 0 < int(port) < 65536)):
+    raise ValueError(f"{api}: the address {address!r} is not 'host:port' with a port in "
+                     "1..65535.")
+  return host, port
+
+
+def _truthy(value):
+  return str(value).strip().lower() in ("1", "true", "yes")
+
+
+def runtime_env(cluster, device_type, api, environ=None):
+  """The environment variables that make torch_xla 2.9 join `cluster`.
+
+  One host: nothing (torch_xla starts a runtime of its own, as today). TPU:
+  `TPU_WORKER_ID` and `TPU_WORKER_HOSTNAMES` (the slice is formed by libtpu).
+  A PJRT plugin with `PJRT_DYNAMIC_PLUGINS=1` in `environ`: the torchrun-style
+  variables torch_xla's coordinator reads, one process per host, the
+  coordinator at the chief's address.
+
+  Raises:
+    NotImplementedError: several hosts on XLA:CPU (torch_xla 2.9's CPU client
+      is local to one process), or on a device type torch_xla forms no
+      multi-host runtime for.
+  """
+  environ = os.environ if environ is None else environ
+  if cluster.num_workers == 1:
+    return {}
+  n, i = cluster.num_workers, cluster.task_index
+  if device_type == "CPU":
+    raise NotImplementedError(
+        f"{api}: the cluster has {n} hosts {list(cluster.hosts)}, but this process "
+        "runs on XLA:CPU, whose PJRT client in torch_xla 2.9 is local to one process "
+        "(no cross-process collectives). Run a single-worker cluster on XLA:CPU (no "
+        "TF_CONFIG, or one task), or run the hosts on TPU.")
+  if device_type == "TPU":
+    return {"TPU_WORKER_ID": str(i),
+            "TPU_WORKER_HOSTNAMES": ",".join(split_address(h, api)[0]
+                                             for h in cluster.hosts)}
+  if not _truthy(environ.get("PJRT_DYNAMIC_PLUGINS", "")):
+    raise NotImplementedError(
+        f"{api}: the cluster has {n} hosts, and torch_xla 2.9 forms a multi-host "
+        f"runtime on TPU or through a PJRT plugin that uses its coordinator, not on "
+        f"PJRT_DEVICE={device_type!r} without PJRT_DYNAMIC_PLUGINS=1. Run on TPU, or "
+        "load the device's PJRT plugin (torch_xla.experimental.plugins).")
+  host, port = split_address(cluster.coordinator, api)
+  return {
+      "RANK": str(i), "WORLD_SIZE": str(n),
+      "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",  # one process per host
+      "PJRT_LOCAL_PROCESS_RANK": "0", "PJRT_LOCAL_PROCESS_COUNT": "1",
+      "MASTER_ADDR": host, "XLA_COORDINATOR_PORT": port or COORDINATOR_DEFAULT_PORT,
+  }
+
+
+def apply_env(values, environ, api):
+  """Sets `values` in `environ`; a variable already set to another value is an error.
+
+  Returns:
+    The names that were set (not already there with the same value).
+
+  Raises:
+    ValueError: `environ` sets one of the variables to another value (checked
+      for all of them before any is set).
+  """
+  for name, value in values.items():
+    current = environ.get(name)
+    if current not in (None, "") and current != value:
+      raise ValueError(
+          f"{api}: the environment sets {name}={current!r}, but the cluster resolver "
+          f"makes this process {name}={value!r}. Unset {name} (xladist sets it from "
+          "the resolver), or fix the resolver (TF_CONFIG's \"cluster\" and "
+          "\"task\") so that both describe the same host.")
+  changed = [name for name, value in values.items() if environ.get(name) != value]
+  for name in changed:
+    environ[name] = values[name]
+  return changed
+
+
+def check_runtime(cluster, process_count, process_index, api):
+  """Raises RuntimeError unless torch_xla's process count and index match `cluster`."""
+  described = (f"the cluster resolver describes {cluster.num_workers} host(s)"
+               f"{' ' + str(list(cluster.hosts)) if cluster.hosts else ''} with this "
+               f"process as host {cluster.task_index}")
+  if process_count != cluster.num_workers:
+    if process_count == 1:
+      fix = ("torch_xla started a runtime of this process alone: it was started "
+             "before the strategy (create the multi-host strategy before any other "
+             "strategy or XLA tensor), or the device type has no multi-host runtime.")
+    else:
+      fix = ("torch_xla joined a runtime of several processes (e.g. a TPU pod "
+             "slice): describe all of its hosts, e.g. with "
+             "cluster_resolver.TPUClusterResolver() or a TF_CONFIG listing each host.")
+    raise RuntimeError(f"{api}: {described}, but torch_xla's runtime has "
+                       f"{process_count} process(es). {fix}")
+  if process_index != cluster.task_index:
+    raise RuntimeError(
+        f"{api}: {described}, but torch_xla's runtime numbers this process "
+        f"{process_index}. The resolver's host order must be the runtime's process "
+        "order (the chief first, then the workers by index; on TPU the TPU worker "
+        "ids): fix the task index (TF_CONFIG's \"task\" or TPU_WORKER_ID).")
+
+
+def call_with_timeout(fn, timeout_seconds, message):
+  """Runs `fn()` in a daemon thread and returns its result within `timeout_seconds`.
+
+  Raises:
+    TimeoutError: `fn` did not return in time (`message` says what to check;
+      the thread is left blocked, so the process should exit).
+    Exception: whatever `fn` raised.
+  """
+  done = threading.Event()
+  result = []
+
+  def target():
+    try:
+      result.append((True, fn()))
+    except BaseException as e:  # re-raised in the caller's thread
+      result.append((False, e))
+    finally:
+      done.set()
+  threading.Thread(target=target, name="xladist-join", daemon=True).start()
+  if not done.wait(timeout_seconds):
+    raise TimeoutError(message)
+  ok, value = result[0]
+  if not ok:
+    raise value
+  return value
+
+
+def _join_message(cluster, api, timeout_seconds, env):
+  set_vars = ", ".join(f"{k}={v}" for k, v in env.items()) or "nothing"
+  return (
+      f"{api}: torch_xla's multi-host runtime did not start within "
+      f"{timeout_seconds:g} s. This process is host {cluster.task_index} of "
+      f"{cluster.num_workers} {list(cluster.hosts)}; coordinator (chief) "
+      f"{cluster.coordinator}; xladist set {set_vars}. Check that every host started "
+      "the same program with its own task index, that the chief is reachable from "
+      "this host (address and port open), and that no host failed at start-up (its "
+      "log). Hosts that start slowly: raise CommunicationOptions(timeout_seconds=...).")
+
+
+def _process_count_index():
+  _runtime.initialize()
+  import torch_xla.runtime as xr
+  return xr.process_count(), xr.process_index()
+
+
+def initialize(cluster_resolver, api, timeout_seconds=None):
+  """Starts torch_xla's runtime for the resolver's cluster (once per process).
+
+  Call it before `_runtime.initialize()` (a multi-host strategy's constructor
+  does). One host: `_runtime.initialize()` as for any strategy. Several hosts:
+  the variables of `runtime_env` are set, then the runtime is started in a
+  helper thread and waited for at most `timeout_seconds` (default 600 s).
+  Either way torch_xla's process count and index are checked against the
+  resolver.
+
+  Returns:
+    The `ClusterInfo`.
+
+  Raises:
+    TypeError, ValueError: as `cluster_info` and `apply_env`.
+    NotImplementedError: as `runtime_env`.
+    TimeoutError: the other hosts did not join in time.
+    RuntimeError: torch_xla's runtime disagrees with the resolver, or this
+      process already joined another multi-host cluster.
+  """
+  global _process_cluster
+  cluster = cluster_info(cluster_resolver, api)
+  with _lock:
+    previous = _process_cluster
+    if previous is not None and previous.num_workers > 1 and (
+        previous.hosts, previous.task_index) != (cluster.hosts, cluster.task_index):
+      raise RuntimeError(
+          f"{api}: this process already joined the cluster {list(previous.hosts)} as "
+          f"host {previous.task_index}; torch_xla's runtime cannot be started again "
+          "for another cluster. Reuse that cluster's resolver.")
+    if cluster.num_workers > 1:
+      env = runtime_env(cluster, _runtime._detect_device_type(), api)
+    if cluster.num_workers > 1 and _runtime._state is None:
+      apply_env(env, os.environ, api)
+      timeout = DEFAULT_JOIN_TIMEOUT_SECONDS if timeout_seconds is None else timeout_seconds
+      count, index = call_with_timeout(_process_count_index, timeout,
+                                       _join_message(cluster, api, timeout, env))
+    else:
+      # One host, or the runtime already started (checked against the cluster below).
+      count, index = _process_count_index()
+    check_runtime(cluster, count, index, api)
+    _process_cluster = cluster
+  return cluster
+
+
+def process_cluster():
+  """The `ClusterInfo` this process joined, or None if no multi-host strategy was made."""
+  return _process_cluster
+
+
+def process_is_chief():
+  """Whether this process is the chief: True unless it joined a cluster as a non-chief."""
+  cluster = _process_cluster
+  return cluster is None or cluster.is_chief
+
+
+# -- input placement ------------------------------------------------------------------
+
+
+def local_shard_rows(local_device_names, replica_ids, api="xladist", cores_per_replica=1):
+  """Which row of this host's input goes to each local device, in device order.
+
+  Replica r is devices r*k .. r*k + k - 1 of the mesh (global device ids; k =
+  `cores_per_replica`), so the host feeding replicas `replica_ids` must own
+  exactly those devices; torch_xla wants one shard per local device in the
+  order of `_xla_get_runtime_devices()` ("TPU:4", ...: global ids).
+
+  Raises:
+    RuntimeError: the local devices are not the host's replicas' devices.
+  """
+  try:
+    ids = [int(str(name).rsplit(":", 1)[1]) for name in local_device_names]
+  except (IndexError, ValueError):
+    raise RuntimeError(f"{api}: cannot read device ids from torch_xla's local devices "
+                       f"{list(local_device_names)}.") from None
+  start, k = replica_ids[0], cores_per_replica
+  expected = [r * k + c for r in replica_ids for c in range(k)]
+  if sorted(ids) != expected:
+    raise RuntimeError(
+        f"{api}: this host feeds replicas {list(replica_ids)} (hosts feed consecutive "
+        f"blocks of replicas in host order), so it should have the XLA devices "
+        f"{expected}, but its devices are {sorted(ids)}: "
+        "torch_xla numbered the devices of the hosts in another order than the "
+        "cluster resolver numbers the hosts. Order the resolver's hosts like the "
+        "runtime's processes (TPUClusterResolver() on a TPU slice).")
+  return [i // k - start for i in ids]
+
+
+def place_host_rows(tensors, replica_ids, num_replicas):
+  """This host's rows -> global tensors split over the replica axis.
+
+  `tensors` are host tensors of shape (len(replica_ids), ...) whose row i is
+  replica `replica_ids[i]`'s. With every replica local (one host) this is
+  exactly `_runtime.place_split_many(tensors)`. Otherwise each row goes to
+  its own (local) device and the global tensor of shape (num_replicas, ...)
+  is assembled by torch_xla from the hosts' shards (`_global_tensor_from_cpu_
+  shards`); rows of other hosts never leave those hosts.
+  """
+  if len(replica_ids) == num_replicas:
+    return _runtime.place_split_many(tensors)
+  import torch_xla
+  order = local_shard_rows(torch_xla._XLAC._xla_get_runtime_devices(), replica_ids,
+                           cores_per_replica=_runtime.cores_per_replica(num_replicas))
+  return from_local_shards(tensors, order, num_replicas)
+
+
+def from_local_shards(tensors, order, num_replicas):
+  """Global (num_replicas, ...) tensors from this host's rows, row `order[d]` on local device d."""
+  import torch_xla
+  out = []
+  for t in tensors:
+    t = t.detach().contiguous()
+    shards = [t[i:i + 1] for i in order]
+    out.append(torch_xla._XLAC._global_tensor_from_cpu_shards(
+        shards, _runtime.replica_sharding(t.dim(), num_replicas),
+        [num_replicas] + list(t.shape[1:])))
+  return out
+
+
+def host_replicas(cluster, num_replicas, api):
+  """The replica ids `cluster`'s host feeds (None with one host: all of them).
+
+  Raises:
+    ValueError: the replicas cannot be spread evenly over the hosts.
+  """
+  if cluster.num_workers == 1:
+    return None
+  if num_replicas % cluster.num_workers:
+    raise ValueError(
+        f"{api}: {num_replicas} replicas cannot be spread evenly over "
+        f"{cluster.num_workers} hosts; every host must have the same number of XLA "
+        "devices.")
+  return host_replica_ids(cluster.num_workers, cluster.task_index, num_replicas)
+
+
+def default_resolver(device_type):
+  """The resolver of `MultiWorkerMirroredStrategy(cluster_resolver=None)`.
+
+  TF_CONFIG's cluster (`TFConfigClusterResolver`); on TPU when TF_CONFIG names
+  no cluster, the TPU slice itself (`TPUClusterResolver()`), since libtpu joins
+  every host of the slice into the runtime anyway.
+  """
+  resolver = resolvers.TFConfigClusterResolver()
+  if not resolver.cluster_spec() and device_type == "TPU":
+    return resolvers.TPUClusterResolver()
+  return resolver
