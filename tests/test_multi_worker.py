@@ -463,3 +463,66 @@ def test_single_worker_input_is_the_single_host_path(mwms):
   assert isinstance(element, xd.PerReplica) and element._stacked is not None
   got = torch.stack([v.cpu() for v in mwms.experimental_local_results(element)])
   torch.testing.assert_close(got, x.reshape(4, 2, 2), rtol=0, atol=0)
+
+
+def test_each_host_builds_and_reads_only_its_own_replicas_values(monkeypatch):
+  """TF's meanings of experimental_distribute_values_from_function and
+  experimental_local_results on several hosts (host 1 of 2, simulated)."""
+  from xladist import _runtime
+  s = simulated_host(resolver({"worker": ["a:1", "b:1"]}, task_id=1))
+  placed = []
+
+  def place_host_rows(tensors, replica_ids, num_replicas):
+    # Stands in for torch_xla's assembly from the hosts' shards: the other
+    # host's rows (replicas 0 and 1) would come from that host.
+    placed.append(list(replica_ids))
+    full = torch.full((num_replicas,) + tuple(tensors[0].shape[1:]), -1.0)
+    full[list(replica_ids)] = tensors[0]
+    return _runtime.place_split_many([full])
+  monkeypatch.setattr(_multihost, "place_host_rows", place_host_rows)
+  calls = []
+  v = s.experimental_distribute_values_from_function(
+      lambda ctx: calls.append(ctx.replica_id_in_sync_group)
+      or torch.full((3,), float(ctx.replica_id_in_sync_group)))
+  assert calls == [2, 3] and placed == [[2, 3]]
+  out = s.run(lambda x: x * 10 + 1, args=(v,))
+  assert [t.tolist() for t in s.experimental_local_results(out)] == [[21.0] * 3, [31.0] * 3]
+  assert s.experimental_local_results(5) == (5,)
+  with pytest.raises(TypeError, match="on several hosts value_fn must return tensors"):
+    s.experimental_distribute_values_from_function(lambda ctx: 1.5)
+
+
+def test_local_components_with_two_devices_per_replica():
+  from xladist import _multihost
+  da = xd.experimental.DeviceAssignment.build(computation_shape=[2], num_replicas=2)
+  t = xd.TPUStrategy(experimental_device_assignment=da)
+  v = t.experimental_distribute_values_from_function(
+      lambda ctx: torch.full((2,), float(ctx.replica_id_in_sync_group)))
+  out = t.run(lambda x: x - 7, args=(v,))
+  assert [c.tolist() for c in _multihost.local_components(out._stacked, [1, 0], 2)] == [
+      [-6.0, -6.0], [-7.0, -7.0]]
+  with pytest.raises(RuntimeError, match=r"replicas \[2\] have no device on this host"):
+    _multihost.local_components(out._stacked, [2], 2)
+
+
+def test_host_waits_are_bounded_on_several_hosts(monkeypatch, tmp_path):
+  """A stalled host must not leave the others waiting forever: xladist's own
+  host reads (checkpoint saves, reductions to the host, local results) wait at
+  most the strategy's timeout on a cluster, and without a bound on one host."""
+  import time
+  from xladist import _runtime
+  t = torch.arange(4.0).to(_runtime.device()) * 3  # pending: its program has not run
+  assert _multihost.host_timeout() is None  # one host
+  monkeypatch.setattr(_multihost, "_process_cluster", _multihost.ClusterInfo(
+      2, 0, True, ("10.0.0.2:8476", "10.0.0.3:8476"), "10.0.0.2:8476", ("worker", 0)))
+  monkeypatch.setattr(_multihost, "_host_timeout", 0.2)
+  monkeypatch.setattr(_runtime, "_wait_device_ops", lambda: time.sleep(3))  # a stalled peer
+  assert _multihost.host_timeout() == 0.2
+  start = time.monotonic()
+  with pytest.raises(TimeoutError) as e:
+    xd.checkpoint.Checkpoint(t=t).save(str(tmp_path / "ckpt"))
+  assert time.monotonic() - start < 2.5
+  message = str(e.value)
+  assert "xladist.checkpoint.save" in message and "within 0.2 s" in message
+  assert "['10.0.0.2:8476', '10.0.0.3:8476']" in message
+  assert not (tmp_path / "ckpt").exists()

@@ -45,6 +45,7 @@ COORDINATOR_DEFAULT_PORT = "8547"  # torch_xla 2.9's XlaCoordinator default
 
 _lock = threading.Lock()
 _process_cluster = None  # the ClusterInfo this process joined, once a strategy did
+_host_timeout = DEFAULT_JOIN_TIMEOUT_SECONDS  # bound of xladist's host waits on a cluster
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,7 +347,38 @@ def initialize(cluster_resolver, api, timeout_seconds=None):
       count, index = _process_count_index()
     check_runtime(cluster, count, index, api)
     _process_cluster = cluster
+    if timeout_seconds is not None:
+      global _host_timeout
+      _host_timeout = timeout_seconds
   return cluster
+
+
+def host_timeout():
+  """How long xladist's own host waits may last: None (unbounded) in a one-host
+  process; on several hosts the multi-host strategy's
+  `CommunicationOptions.timeout_seconds` (default 600 s), since a host that died
+  or stalled would leave the others waiting in a collective forever."""
+  cluster = _process_cluster
+  if cluster is None or cluster.num_workers == 1:
+    return None
+  return _host_timeout
+
+
+def wait_for_hosts(tensors, what):
+  """Runs the programs that make `tensors` and waits, bounded by `host_timeout()`.
+
+  A no-op on one host (the read that follows waits as usual).
+
+  Raises:
+    TimeoutError: naming `what`, the hosts and what to check.
+  """
+  timeout = host_timeout()
+  if timeout is None or not tensors:
+    return
+  _runtime.sync(list(tensors))
+  _runtime.wait(timeout, f"{what} (on the hosts {list(_process_cluster.hosts)}: a host "
+                "that stopped or is slower holds up the collectives of every step; "
+                "check that host's log)")
 
 
 def process_cluster():
@@ -408,6 +440,33 @@ def place_host_rows(tensors, replica_ids, num_replicas):
   order = local_shard_rows(torch_xla._XLAC._xla_get_runtime_devices(), replica_ids,
                            cores_per_replica=_runtime.cores_per_replica(num_replicas))
   return from_local_shards(tensors, order, num_replicas)
+
+
+def local_components(stacked, replica_ids, num_replicas):
+  """Replica r's row of a global (num_replicas, ...) tensor, for r in `replica_ids`.
+
+  Read from this host's own device buffers (torch_xla's local shards), so no
+  other host takes part and no program runs beyond the pending one that makes
+  `stacked` (which every host runs, as for any read of a step's output). With
+  k devices per replica the row is read from the replica's first device.
+
+  Raises:
+    RuntimeError: a replica of `replica_ids` has no device on this host.
+  """
+  import torch_xla
+  _runtime.sync([stacked])
+  _runtime.wait(host_timeout(), "experimental_local_results: the step that makes the value")
+  k = _runtime.cores_per_replica(num_replicas)
+  rows = {}
+  for shard, device in torch_xla._XLAC._get_local_shards([stacked])[0]:
+    replica = int(str(device).rsplit(":", 1)[1]) // k
+    rows.setdefault(replica, shard)
+  missing = [r for r in replica_ids if r not in rows]
+  if missing:
+    raise RuntimeError(
+        f"experimental_local_results: replicas {missing} have no device on this host "
+        f"(its devices hold replicas {sorted(rows)}).")
+  return tuple(rows[r].squeeze(0) for r in replica_ids)
 
 
 def from_local_shards(tensors, order, num_replicas):

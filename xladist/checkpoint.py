@@ -202,6 +202,7 @@ class Checkpoint:
     copies = {}
     if xla:
       import torch_xla
+      _multihost.wait_for_hosts(xla, f"{api_name('save')}: the steps that compute the values")
       cpu = torch_xla._XLAC._xla_get_cpu_tensors(xla)
       copies = {id(t): c.detach().clone() for t, c in zip(xla, cpu)}
     objects = {name: {"kind": kind, "value": to_cpu(value, copies)}

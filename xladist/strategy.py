@@ -196,20 +196,24 @@ class Strategy:
     return self._extended._gather(value, axis)
 
   def experimental_local_results(self, value):
-    """The tuple of per-replica components of `value` (a 1-tuple for plain values)."""
-    if isinstance(value, DistributedValues):
-      return tuple(value.values)
-    return (value,)
+    """The tuple of this host's per-replica components of `value` (a 1-tuple for
+    plain values); on one host, every replica's."""
+    return self._extended._local_results(value)
 
   def experimental_distribute_values_from_function(self, value_fn):
-    """A PerReplica whose component r is `value_fn(ValueContext(r, N))`."""
+    """A PerReplica whose component r is `value_fn(ValueContext(r, N))`.
+
+    On several hosts `value_fn` is called for this host's replicas only (as in
+    TF), and must return tensors.
+    """
     if not callable(value_fn):
       raise TypeError(
           "experimental_distribute_values_from_function: value_fn must be callable, "
           f"got {type(value_fn).__name__}.")
     from xladist.input_options import ValueContext
     n = self.num_replicas_in_sync
-    values = [value_fn(ValueContext(r, n)) for r in range(n)]
+    replicas = self._extended._fed_replicas()
+    values = [value_fn(ValueContext(r, n)) for r in replicas]
     if n == 1:
       return values[0]
     leaves = [flatten(v) for v in values]
@@ -220,7 +224,7 @@ class Strategy:
             "experimental_distribute_values_from_function: value_fn returned "
             f"differently structured values for different replicas ({spec} vs "
             f"{other[1]}).")
-    return unflatten(spec, [_group_leaf([lv[0][i] for lv in leaves])
+    return unflatten(spec, [self._extended._group_leaf([lv[0][i] for lv in leaves])
                             for i in range(len(leaves[0][0]))])
 
   def experimental_distribute_dataset(self, dataset, options=None):
@@ -437,6 +441,19 @@ class StrategyExtended:
   _device_names = ("cpu",)
   _cluster_resolver = None  # a multi-host strategy's resolver (strategy.cluster_resolver)
 
+  def _fed_replicas(self):
+    """The replicas whose inputs this host builds (all of them on one host)."""
+    return range(self._num_replicas_in_sync)
+
+  def _group_leaf(self, components):
+    """One leaf per fed replica -> a distributed value (see _fed_replicas)."""
+    return _group_leaf(components)
+
+  def _local_results(self, value):
+    if isinstance(value, DistributedValues):
+      return tuple(value.values)
+    return (value,)
+
   def __init__(self, strategy):
     self._strategy_ref = strategy
     self.experimental_gradient_aggregation = ReduceOp.MEAN
@@ -571,8 +588,13 @@ class StrategyExtended:
     return options
 
   def _wait_for_host(self, pairs, options, api):
-    """Bounds the host-side wait for results going to a "cpu" destination."""
-    if options is None or options.timeout_seconds is None:
+    """Bounds the host-side wait for results going to a "cpu" destination (by
+    `options.timeout_seconds`, else on several hosts by their default bound)."""
+    from xladist import _multihost
+    timeout = options.timeout_seconds if options is not None else None
+    if timeout is None:
+      timeout = _multihost.host_timeout()
+    if timeout is None:
       return
     if self._tracing():
       return  # inside a step nothing is read back, so nothing waits
@@ -581,7 +603,7 @@ class StrategyExtended:
     if tensors:
       from xladist import _runtime
       _runtime.sync(tensors)
-      _runtime.wait(options.timeout_seconds, f"{api}: the reduction")
+      _runtime.wait(timeout, f"{api}: the reduction")
 
   def broadcast_to(self, tensor, destinations):
     """`tensor` mirrored on `destinations`."""

@@ -12,6 +12,8 @@ feeds only its own replicas (host h: replicas [h*R/H, (h+1)*R/H)), with
 `InputContext.input_pipeline_id` = host index.
 """
 
+import torch
+
 from xladist import _multihost, _runtime
 from xladist.communication_options import CommunicationOptions
 from xladist.input import dataset as input_dataset
@@ -19,7 +21,7 @@ from xladist.input import sharding
 from xladist.input.options import InputReplicationMode
 from xladist.strategies.mirrored import SPMDExtended
 from xladist.strategy import Strategy
-from xladist.values import PerReplica
+from xladist.values import DistributedValues, PerReplica
 
 _API = "MultiWorkerMirroredStrategy"
 
@@ -71,6 +73,33 @@ class MultiWorkerExtended(SPMDExtended):
     if self._host_replicas is None:
       return None
     return self._cluster.num_workers, self._cluster.task_index
+
+  def _fed_replicas(self):
+    if self._host_replicas is None:
+      return super()._fed_replicas()
+    return self._host_replicas
+
+  def _group_leaf(self, components):
+    if self._host_replicas is None:
+      return super()._group_leaf(components)
+    if not all(isinstance(c, torch.Tensor) for c in components):
+      raise TypeError(
+          f"{self._api}.experimental_distribute_values_from_function: on several "
+          "hosts value_fn must return tensors (each host builds only its own "
+          f"replicas' values), got {type(components[0]).__name__}.")
+    n = self._num_replicas_in_sync
+    stacked = torch.stack([c.detach().cpu() for c in components])
+    return PerReplica._from_stacked(
+        _multihost.place_host_rows([stacked], self._host_replicas, n)[0], n)
+
+  def _local_results(self, value):
+    """TF's meaning on several hosts: the components of this host's replicas."""
+    if self._host_replicas is None or not isinstance(value, DistributedValues):
+      return super()._local_results(value)
+    if isinstance(value, PerReplica) and value._stacked is not None:
+      return _multihost.local_components(value._stacked, self._host_replicas,
+                                         self._num_replicas_in_sync)
+    return tuple(value.values[r] for r in self._host_replicas)
 
   def _check_local_devices(self):
     """This host's devices must be its replicas' (checked at start, not at the first batch)."""
