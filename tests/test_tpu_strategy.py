@@ -32,16 +32,23 @@ def _mlp():
 
 
 def _train(strategy, state, xs, ys, partition, steps=3):
-  """SGD steps; the first layer's input is split over the logical devices by `partition`."""
+  """SGD steps; the first layer's input is split over the logical devices by
+  `partition` ("hidden": the hidden activation, which needs a gradient, is
+  split on its features instead)."""
   with strategy.scope():
     model = _mlp()
     model.load_state_dict(state)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
   def step(x, y):
-    if partition is not None:
-      x = strategy.experimental_split_to_logical_devices(x, partition)
-    loss = F.cross_entropy(model(x), y)
+    if partition == "hidden":
+      h = strategy.experimental_split_to_logical_devices(model[1](model[0](x)), [1, 2])
+      logits = model[2](h)
+    else:
+      if partition is not None:
+        x = strategy.experimental_split_to_logical_devices(x, partition)
+      logits = model(x)
+    loss = F.cross_entropy(logits, y)
     opt.zero_grad()
     loss.backward()
     opt.step()
@@ -82,8 +89,8 @@ def state():
   return _mlp().state_dict()
 
 
-@pytest.mark.parametrize("partition", [None, [2, 1], [1, 2]],
-                         ids=["unsplit", "batch-split", "feature-split"])
+@pytest.mark.parametrize("partition", [None, [2, 1], [1, 2], "hidden"],
+                         ids=["unsplit", "batch-split", "feature-split", "hidden-split"])
 def test_split_layer_equals_unsplit_and_single_device_training(tpu22, state, partition):
   xs, ys = _data(2)
   losses, final = _train(tpu22, state, xs, ys, partition)
@@ -292,3 +299,33 @@ def test_batch_split_cnn_trains_like_the_global_batch_and_divides_the_convolutio
   final = {k: v.detach().cpu() for k, v in model.state_dict().items()}
   assert _models.max_relative_error(torch.stack([l.cpu() for l in losses]), ref_losses) < 1e-5
   assert _models.max_relative_error(final, ref_state) < 1e-5
+
+
+def test_split_training_compiles_once_and_runs_one_program_per_step(tpu22, state):
+  xs, ys = _data(2, steps=8)
+  with tpu22.scope():
+    model = _mlp()
+    model.load_state_dict(state)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+  def step(x, y):
+    loss = F.cross_entropy(model(tpu22.experimental_split_to_logical_devices(x, [2, 1])), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss
+  counts = []
+  for x, y in zip(xs, ys):
+    tpu22.run(step, args=(_models.split(tpu22, x), _models.split(tpu22, y)))
+    _runtime.sync()
+    _runtime.wait()
+    counts.append((_runtime.compile_count(), _runtime.execute_count()))
+  assert counts[-1][0] - counts[1][0] == 0, counts       # no compilation after 2 steps
+  assert counts[-1][1] - counts[1][1] == len(xs) - 2, counts  # one execution per step
+
+
+def test_device_assignment_with_as_many_replicas_as_fit():
+  da = xd.experimental.DeviceAssignment.build(computation_shape=[2], num_replicas=None)
+  assert (da.num_replicas, da.num_cores_per_replica) == (2, 2)
+  with pytest.raises(ValueError, match="3 cores per replica do not divide the 4 XLA devices"):
+    xd.experimental.DeviceAssignment.build(computation_shape=[3], num_replicas=None)

@@ -54,7 +54,8 @@ class DeviceAssignment:
       computation_stride: must be None or all ones (replicas are consecutive
         blocks of devices).
       num_replicas: replicas; num_replicas * cores per replica must be the
-        number of XLA devices (the SPMD mesh covers all of them).
+        number of XLA devices (the SPMD mesh covers all of them). None (an
+        xladist extension): as many as the devices hold.
 
     Raises:
       ValueError / TypeError: an argument out of range, with what to pass instead.
@@ -73,10 +74,18 @@ class DeviceAssignment:
     if computation_stride is not None and any(s != 1 for s in computation_stride):
       raise ValueError(f"{api}: computation_stride={list(computation_stride)!r} is not "
                        "supported; a replica's cores are consecutive devices.")
-    if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
-      raise ValueError(f"{api}: num_replicas must be a positive int, got {num_replicas!r}.")
     k = int(math.prod(shape))
     n = _runtime.num_devices()
+    if num_replicas is None:
+      if n % k:
+        raise ValueError(
+            f"{api}(computation_shape={shape}): {k} cores per replica do not divide "
+            f"the {n} XLA devices of this process; the SPMD mesh must cover all of "
+            "them (torch_xla 2.9 rejects a mesh over a subset).")
+      num_replicas = n // k
+    if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
+      raise ValueError(f"{api}: num_replicas must be a positive int or None, got "
+                       f"{num_replicas!r}.")
     if num_replicas * k != n:
       raise ValueError(
           f"{api}(computation_shape={shape}, num_replicas={num_replicas}): "
