@@ -526,3 +526,46 @@ def test_host_waits_are_bounded_on_several_hosts(monkeypatch, tmp_path):
   assert "xladist.checkpoint.save" in message and "within 0.2 s" in message
   assert "['10.0.0.2:8476', '10.0.0.3:8476']" in message
   assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("signalled", ["other host", "this host"])
+def test_preemption_on_one_host_makes_every_host_save_at_the_same_step(
+    monkeypatch, tmp_path, signalled):
+  """Host 1 of 2 (simulated): the hosts agree every 3 steps; a SIGTERM that
+  reached either host makes this host save (as a non-chief: write nothing) and
+  exit at the agreement step, not before."""
+  import signal
+  from xladist import _runtime
+  s = simulated_host(resolver({"worker": ["a:1", "b:1"]}, task_id=1))
+  monkeypatch.setattr(_multihost, "_process_cluster", s.extended._cluster)
+  other_flag = 1 if signalled == "other host" else 0
+
+  def place_host_rows(tensors, replica_ids, num_replicas):
+    # The other host's rows (replicas 0, 1) carry that host's flag.
+    full = torch.full((num_replicas,) + tuple(tensors[0].shape[1:]), other_flag,
+                      dtype=tensors[0].dtype)
+    full[list(replica_ids)] = tensors[0]
+    return _runtime.place_split_many([full])
+  monkeypatch.setattr(_multihost, "place_host_rows", place_host_rows)
+  with s.scope():
+    weight = torch.zeros(3).to(_runtime.device())
+  manager = xc.CheckpointManager(xc.Checkpoint(w=weight), str(tmp_path / "ckpts"))
+  exits = []
+  handler = xc.PreemptionCheckpointHandler(manager, exit_fn=lambda: exits.append(
+      handler.total_run_calls), strategy=s, check_interval_steps=3)
+  try:
+    if signalled == "this host":
+      os.kill(os.getpid(), signal.SIGTERM)
+    for _ in range(5):
+      handler.run(lambda: None)
+  finally:
+    handler.close()
+  assert exits == [3]
+  assert not handler.preemption_received
+  assert not (tmp_path / "ckpts").exists() or not os.listdir(tmp_path / "ckpts")
+
+
+def test_preemption_handler_arguments(tmp_path):
+  manager = xc.CheckpointManager(xc.Checkpoint(), str(tmp_path))
+  with pytest.raises(TypeError, match="check_interval_steps must be a positive int"):
+    xc.PreemptionCheckpointHandler(manager, check_interval_steps=0)

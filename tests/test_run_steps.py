@@ -4,7 +4,6 @@ import re
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import _models

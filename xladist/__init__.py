@@ -63,7 +63,8 @@ from xladist.strategies.mirrored import MirroredStrategy
 from xladist.strategies.multi_worker import MultiWorkerMirroredStrategy
 from xladist.strategies.one_device import OneDeviceStrategy
 from xladist.strategies.tpu import TPUStrategy
-from xladist.strategy import Strategy, StrategyExtended
+from xladist.extended import StrategyExtended
+from xladist.strategy import Strategy
 from xladist.values import DistributedValues, Mirrored, PerReplica
 from xladist.variables import Variable, VariableAggregation, VariableSynchronization
 from xladist import checkpoint, cluster_resolver, experimental, nn

@@ -87,6 +87,7 @@ import threading
 import torch
 
 from xladist import _multihost, context
+from xladist.reduce_util import ReduceOp
 from xladist._checkpoint_io import (FORMAT, VERSION, api_name, check_plain, digest,
                                     load, rng_state, set_rng_state, to_cpu,
                                     write_atomic, xla_tensors)
@@ -511,13 +512,28 @@ class PreemptionCheckpointHandler:
   The handler is installed for the main thread's SIGTERM; `close()` (or leaving
   a `with` block) puts the previous handler back.
 
+  On several hosts (MultiWorkerMirroredStrategy, TPUStrategy on a pod) SIGTERM
+  may reach only some of them, and a host that leaves alone would leave the
+  others stuck in the next step's collectives. So every
+  `check_interval_steps` calls the hosts agree (one MAX all-reduce of their
+  flags, read back with the cluster's timeout) and, if any host was signalled,
+  all save at that same step and call `exit_fn`. A signalled host therefore
+  trains up to `check_interval_steps - 1` more steps: choose it so that they
+  fit in the notice the platform gives. On one host the flag is checked after
+  every step, with no collective.
+
   Args:
     checkpoint_manager: the `CheckpointManager` that saves.
     exit_fn: called with no argument after the save; if it returns, training
       goes on.
+    strategy: the strategy whose hosts agree (default: the current strategy
+      when the handler is made or run); needed on several hosts only.
+    check_interval_steps: on several hosts, how many `run` calls pass between
+      agreements (default 10).
 
   Raises:
-    TypeError: `checkpoint_manager` is not a CheckpointManager.
+    TypeError: `checkpoint_manager` is not a CheckpointManager, or
+      `check_interval_steps` is not a positive int.
     RuntimeError: not created in the main thread (Python delivers signals
       there only).
 
@@ -532,12 +548,20 @@ class PreemptionCheckpointHandler:
 
   _NAME = "_preemption_handler"
 
-  def __init__(self, checkpoint_manager, exit_fn=None):
+  def __init__(self, checkpoint_manager, exit_fn=None, strategy=None,
+               check_interval_steps=10):
     api = "xladist.checkpoint.PreemptionCheckpointHandler"
     if not isinstance(checkpoint_manager, CheckpointManager):
       raise TypeError(
           f"{api}: checkpoint_manager must be an xladist.checkpoint.CheckpointManager, "
           f"got {type(checkpoint_manager).__name__}.")
+    if isinstance(check_interval_steps, bool) or not isinstance(
+        check_interval_steps, int) or check_interval_steps < 1:
+      raise TypeError(f"{api}: check_interval_steps must be a positive int, got "
+                      f"{check_interval_steps!r}.")
+    self._strategy = strategy if strategy is not None else (
+        context.get_strategy() if context.has_strategy() else None)
+    self._check_interval = check_interval_steps
     if threading.current_thread() is not threading.main_thread():
       raise RuntimeError(
           f"{api} must be created in the main thread: Python runs signal handlers "
@@ -583,12 +607,32 @@ class PreemptionCheckpointHandler:
     return result
 
   def save_checkpoint_if_preempted(self):
-    """Saves a checkpoint and calls `exit_fn` if SIGTERM arrived; else nothing."""
-    if self._received is None:
+    """Saves a checkpoint and calls `exit_fn` if SIGTERM arrived (on several
+    hosts: at an agreement step, if it arrived at any host); else nothing."""
+    if _multihost.host_timeout() is None:  # one host
+      if self._received is None:
+        return
+    elif self._total_run_calls % self._check_interval or not self._any_host_signalled():
       return
     self._manager.save(checkpoint_number=self._total_run_calls)
     self._received = None
     self._exit_fn()
+
+  def _any_host_signalled(self):
+    """One MAX all-reduce of every host's flag (all hosts call it at the same step)."""
+    strategy = self._strategy or (context.get_strategy() if context.has_strategy() else None)
+    if strategy is None:
+      raise RuntimeError(
+          "xladist.checkpoint.PreemptionCheckpointHandler: on several hosts the "
+          "hosts agree on when to save through their strategy; pass strategy= or "
+          "make the handler inside strategy.scope().")
+    flag = int(self._received is not None)
+    flags = strategy.experimental_distribute_values_from_function(
+        lambda ctx: torch.tensor(flag, dtype=torch.int32))
+    anyone = strategy.reduce(ReduceOp.MAX, flags, axis=None)
+    _multihost.wait_for_hosts([anyone], "PreemptionCheckpointHandler: the hosts' "
+                              "agreement on a preemption save")
+    return bool(anyone.item())
 
   def close(self):
     """Puts back the SIGTERM handler that was installed before. Idempotent."""

@@ -5,7 +5,8 @@ import torch
 from xladist import context
 from xladist.communication_options import check_options
 from xladist.reduce_util import as_reduce_op
-from xladist.strategy import _concat_stacked, flatten, unflatten
+from xladist._global_view import concat_stacked as _concat_stacked
+from xladist.values import flatten, unflatten
 from xladist.values import DistributedValues, PerReplica
 
 

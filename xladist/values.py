@@ -13,6 +13,7 @@ A `PerReplica` is held in whichever form is cheapest where it was made:
 A `Mirrored` holds one tensor that is the same on every replica.
 """
 
+import optree
 import torch
 
 
@@ -153,3 +154,13 @@ def reduce_by_form(values, reduce_global, reduce_local):
       for i, r in zip(indices, reduce([values[i] for i in indices])):
         out[i] = r
   return out
+
+
+def flatten(structure):
+  """Leaves of a nested structure; distributed values and None are leaves."""
+  return optree.tree_flatten(
+      structure, is_leaf=lambda x: isinstance(x, DistributedValues), none_is_leaf=True)
+
+
+def unflatten(treespec, leaves):
+  return optree.tree_unflatten(treespec, leaves)

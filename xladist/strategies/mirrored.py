@@ -11,8 +11,10 @@ from xladist.communication_options import CommunicationOptions
 from xladist.cross_device_ops import check_cross_device_ops
 from xladist.reduce_util import ReduceOp
 from xladist.replica_context import ReplicaContext
-from xladist.strategy import Strategy, StrategyExtended, _concat_stacked, flatten, unflatten
-from xladist.values import Mirrored, PerReplica, reduce_by_form
+from xladist._global_view import concat_stacked as _concat_stacked
+from xladist.extended import StrategyExtended
+from xladist.strategy import Strategy
+from xladist.values import PerReplica, flatten, reduce_by_form, unflatten
 
 
 class SPMDExtended(StrategyExtended):

@@ -5,8 +5,9 @@ import torch
 from xladist import _runtime, context
 from xladist._variables import VariableStore
 from xladist.replica_context import ReplicaContext
-from xladist.strategy import Strategy, StrategyExtended, flatten, unflatten
-from xladist.values import Mirrored, PerReplica
+from xladist.extended import StrategyExtended
+from xladist.strategy import Strategy
+from xladist.values import Mirrored, PerReplica, flatten, unflatten
 
 
 class SingleReplicaExtended(StrategyExtended):

@@ -1,0 +1,471 @@
+"""`StrategyExtended`: the advanced API of a strategy (`strategy.extended`).
+
+Public methods check the context and their arguments, then call one underscore
+hook; each strategy overrides hooks only.
+"""
+
+import torch
+
+from xladist import context
+from xladist._global_view import check_destinations as _check_destinations
+from xladist._global_view import concat_stacked as _concat_stacked
+from xladist._global_view import is_host_destination, reduce_global, to_destinations
+from xladist.communication_options import check_options
+from xladist.input import dataset as input_dataset
+from xladist.input.options import InputContext, InputReplicationMode
+from xladist.reduce_util import ReduceOp, as_reduce_op
+from xladist.values import DistributedValues, Mirrored, PerReplica, flatten
+
+
+def _require_no_other_strategy(strategy, what):
+  current = context.get_strategy()
+  if current is not strategy and context.has_strategy():
+    raise RuntimeError(
+        f"Mixing different strategies: {what} {strategy!r} inside the scope of "
+        f"{current!r}. Leave the first strategy's scope, or use that strategy.")
+
+
+def _require_cross_replica(strategy, api, fix):
+  _require_no_other_strategy(strategy, f"{api} was called on")
+  if context.in_step(strategy):
+    raise RuntimeError(
+        f"{api} requires being in cross-replica context, but it was called in a "
+        f"replica context (inside strategy.run). {fix}")
+
+
+class StrategyExtended:
+  """The advanced API of a strategy; `strategy.extended`."""
+
+  _device_names = ("cpu",)
+  _cluster_resolver = None  # a multi-host strategy's resolver (strategy.cluster_resolver)
+
+  def __init__(self, strategy):
+    self._strategy_ref = strategy
+    self.experimental_gradient_aggregation = ReduceOp.MEAN
+
+  @property
+  def _num_replicas_in_sync(self):
+    return len(self._device_names)
+
+  @property
+  def worker_devices(self):
+    """The devices the replicas run on, one per replica."""
+    return tuple(self._device_names)
+
+  @property
+  def parameter_devices(self):
+    """The devices mirrored variables live on (all replica devices)."""
+    return tuple(self._device_names)
+
+  # -- host-level facts (TF's meanings) ------------------------------------------
+  @property
+  def experimental_between_graph(self):
+    """Whether each host runs its own program for its own replicas (between-graph).
+
+    False for single-host strategies (one program holds every replica); True
+    for MultiWorkerMirroredStrategy, where every host runs this process.
+    """
+    return False
+
+  @property
+  def experimental_should_init(self):
+    """Whether this process should initialise the variables (True: every host does)."""
+    return True
+
+  @property
+  def should_checkpoint(self):
+    """Whether this process should write checkpoints.
+
+    True on one host; on several hosts only on the chief
+    (`cluster_resolver.is_chief`). `xladist.checkpoint` honours it: the other
+    hosts take part in the save but write nothing.
+    """
+    return True
+
+  @property
+  def should_save_summary(self):
+    """Whether this process should write summaries (logs, metrics files).
+
+    True on one host; on several hosts only on the chief.
+    """
+    return True
+
+  @property
+  def experimental_gradient_aggregation(self):
+    """How `optimizer.step()` in a replica context combines gradients.
+
+    `ReduceOp.MEAN` (default): with per-replica mean losses this reproduces
+    single-device training on the global batch. `ReduceOp.SUM`: for losses
+    already divided by the global batch size (TF's convention). `None`: no
+    aggregation (the step function all-reduces gradients itself).
+    """
+    return self._gradient_aggregation
+
+  @experimental_gradient_aggregation.setter
+  def experimental_gradient_aggregation(self, op):
+    self._gradient_aggregation = None if op is None else as_reduce_op(
+        op, "experimental_gradient_aggregation")
+
+  # -- public methods -----------------------------------------------------------
+  def call_for_each_replica(self, fn, args=(), kwargs=None):
+    """Runs `fn(*args, **kwargs)` in every replica (what `strategy.run` does)."""
+    return self._strategy_ref.run(fn, args, kwargs)
+
+  def reduce_to(self, reduce_op, value, destinations, options=None):
+    """Reduces `value` across replicas onto `destinations`.
+
+    Returns a Mirrored when `destinations` names several devices (or is a
+    distributed value), else a tensor. The strategy's CrossDeviceOps does the
+    reduction; `options` (`experimental.CommunicationOptions`) can set its
+    packing and, for a "cpu" destination outside a step, bound the host-side
+    wait for the result (`timeout_seconds`).
+
+    Raises:
+      TypeError: `options` is not a CommunicationOptions.
+      ValueError: `destinations` is malformed.
+      RuntimeError: called in a replica context.
+      TimeoutError: the result was not ready within `options.timeout_seconds`.
+    """
+    reduce_op = as_reduce_op(reduce_op, "reduce_to")
+    options = check_options(options, "reduce_to")
+    _check_destinations(destinations, "reduce_to")
+    _require_cross_replica(self._strategy_ref, "reduce_to",
+                           "Use get_replica_context().merge_call() to get there.")
+    options = self._options(options)
+    reduced = self._reduce(reduce_op, value, None, options)
+    self._wait_for_host([(reduced, destinations)], options, "reduce_to")
+    return self._to_destinations(reduced, destinations)
+
+  def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
+    """Reduces several values at once (few collectives); returns a list.
+
+    The strategy's CrossDeviceOps packs the values into collectives (by
+    default one all-reduce per dtype); see `reduce_to` for `options`.
+
+    Raises:
+      ValueError: `value_destination_pairs` is not a list or tuple of
+        (value, destinations) pairs.
+      TypeError: `options` is not a CommunicationOptions.
+      RuntimeError: called in a replica context.
+      TimeoutError: the results were not ready within `options.timeout_seconds`.
+    """
+    reduce_op = as_reduce_op(reduce_op, "batch_reduce_to")
+    options = check_options(options, "batch_reduce_to")
+    if (not isinstance(value_destination_pairs, (list, tuple)) or not all(
+        isinstance(p, (list, tuple)) and len(p) == 2 for p in value_destination_pairs)):
+      raise ValueError(
+          "batch_reduce_to: value_destination_pairs must be a list or tuple of "
+          "(value, destinations) pairs, got "
+          f"{type(value_destination_pairs).__name__}.")
+    for _, d in value_destination_pairs:
+      _check_destinations(d, "batch_reduce_to")
+    _require_cross_replica(self._strategy_ref, "batch_reduce_to",
+                           "Use get_replica_context().merge_call() to get there.")
+    options = self._options(options)
+    reduced = self._batch_reduce(reduce_op, [v for v, _ in value_destination_pairs],
+                                 options)
+    pairs = [(r, d) for r, (_, d) in zip(reduced, value_destination_pairs)]
+    self._wait_for_host(pairs, options, "batch_reduce_to")
+    return [self._to_destinations(r, d) for r, d in pairs]
+
+  def _options(self, options):
+    """The options a reduction uses (a strategy may add its defaults)."""
+    return options
+
+  def _wait_for_host(self, pairs, options, api):
+    """Bounds the host-side wait for results going to a "cpu" destination (by
+    `options.timeout_seconds`, else on several hosts by their default bound)."""
+    from xladist import _multihost
+    timeout = options.timeout_seconds if options is not None else None
+    if timeout is None:
+      timeout = _multihost.host_timeout()
+    if timeout is None:
+      return
+    if self._tracing():
+      return  # inside a step nothing is read back, so nothing waits
+    tensors = [r for r, d in pairs if isinstance(r, torch.Tensor)
+               and r.device.type == "xla" and is_host_destination(d)]
+    if tensors:
+      from xladist import _runtime
+      _runtime.sync(tensors)
+      _runtime.wait(timeout, f"{api}: the reduction")
+
+  def broadcast_to(self, tensor, destinations):
+    """`tensor` mirrored on `destinations`."""
+    _check_destinations(destinations, "broadcast_to")
+    _require_cross_replica(self._strategy_ref, "broadcast_to",
+                           "Use get_replica_context().merge_call() to get there.")
+    if isinstance(tensor, DistributedValues):
+      raise TypeError(
+          f"broadcast_to: expected a tensor, got a {type(tensor).__name__}; "
+          "reduce it first.")
+    return self._to_destinations(self._broadcast(tensor), destinations)
+
+  def experimental_run_steps(self, fn, iterator, steps):
+    """Runs `steps` steps of `strategy.run(fn, element)` as ONE XLA execution.
+
+    Like TF's `steps_per_execution` or a host training loop inside
+    `tf.function`: the next `steps` elements of `iterator` (a
+    DistributedIterator, or any iterator of values `run` takes) are fed to
+    `strategy.run(fn, args=element)` (a tuple or list element is the argument
+    list, anything else the single argument) back to back, and the graph is cut once
+    at the end, so the k steps compile into one program and run as one
+    execution. The results equal k separate steps. Fewer steps run when the
+    iterator ends first (that shorter program compiles once too).
+
+    Returns:
+      The list of what each step returned (in step order).
+
+    Raises:
+      ValueError: `steps` is not a positive int.
+      RuntimeError: called inside `run`.
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+      raise ValueError(
+          f"experimental_run_steps: steps must be a positive int, got {steps!r}.")
+    _require_cross_replica(self._strategy_ref, "experimental_run_steps",
+                           "Call it from the training loop, outside strategy.run.")
+    from xladist import _runtime
+    outputs = []
+    for _ in range(steps):
+      try:
+        element = next(iterator)
+      except StopIteration:
+        break
+      args = tuple(element) if isinstance(element, (tuple, list)) else (element,)
+      outputs.append(self._strategy_ref.run(fn, args=args))
+    if self._current_device().type == "xla":
+      _runtime.sync()
+    return outputs
+
+  # -- variables ------------------------------------------------------------------
+  def update(self, var, fn, args=(), kwargs=None, group=True):
+    """Runs `fn(var, *args, **kwargs)` to update a variable, in an update context.
+
+    Allowed in cross-replica context: in a strategy's scope and inside
+    `merge_fn` of a merge_call (where `var` is the replica's view of the
+    mirrored variable and the update is traced once for all replicas). Inside,
+    `current_update_device()` is the variable's device. `args` must be the same
+    on every replica (tensors or Mirrored values, not PerReplica).
+
+    Returns:
+      What `fn` returned (a Mirrored of it when `group` is True and there are
+      several replicas), or, with `group=False`, a tuple of per-replica results.
+
+    Raises:
+      RuntimeError: called in a replica context.
+      ValueError: an argument is a PerReplica, or `var` is not a variable of
+        this strategy.
+    """
+    _require_cross_replica(self._strategy_ref, "extended.update",
+                           "Use get_replica_context().merge_call() to get there.")
+    if not self.variable_created_in_scope(var):
+      raise ValueError(
+          f"extended.update: {_describe(var)} is not a variable of "
+          f"{self._strategy_ref!r}; create it under strategy.scope().")
+    return self._run_update(_variable_tensor(var), lambda: fn(var, *args, **(kwargs or {})),
+                            args, kwargs, group, "extended.update")
+
+  def update_non_slot(self, colocate_with, fn, args=(), kwargs=None, group=True):
+    """Runs `fn(*args, **kwargs)` in an update context (for non-slot state)."""
+    _require_cross_replica(self._strategy_ref, "extended.update_non_slot",
+                           "Use get_replica_context().merge_call() to get there.")
+    return self._run_update(None, lambda: fn(*args, **(kwargs or {})), args, kwargs,
+                            group, "extended.update_non_slot")
+
+  def _run_update(self, tensor, call, args, kwargs, group, api):
+    leaves, _ = flatten((args, kwargs or {}))
+    if any(isinstance(x, PerReplica) for x in leaves):
+      raise ValueError(
+          f"{api}: the arguments must be the same on every replica (tensors or "
+          "Mirrored values), got a PerReplica; reduce it first (strategy.reduce or "
+          "extended.reduce_to).")
+    device = tensor.device if tensor is not None else self._current_device()
+    mode = context._Mode(self._strategy_ref, cross_replica=self._strategy_ref,
+                         update_device=device)
+    context.push(mode)
+    try:
+      result = call()
+    finally:
+      context.pop(mode)
+    n = self._num_replicas_in_sync
+    if not group:
+      return (result,) * n
+    if n > 1 and isinstance(result, torch.Tensor):
+      return Mirrored._from_primary(result, n)
+    return result
+
+  def non_slot_devices(self, var_list):
+    """Where non-slot state lives: every replica's device (all state is mirrored)."""
+    return self.worker_devices
+
+  def colocate_vars_with(self, colocate_with_variable):
+    """A context in which new variables are placed with `colocate_with_variable`.
+
+    Every variable of an xladist strategy lives on all of its replicas' devices,
+    so new ones already are; the context checks its argument.
+
+    Raises:
+      ValueError: the argument is not a variable of this strategy.
+    """
+    if not self.variable_created_in_scope(colocate_with_variable):
+      raise ValueError(
+          f"colocate_vars_with: {_describe(colocate_with_variable)} is not a "
+          f"variable of {self._strategy_ref!r}.")
+    return _Colocation()
+
+  def value_container(self, value):
+    """The variable holding `value`: an xladist.Variable for its value tensor,
+    else `value` itself (tensors are their own containers)."""
+    from xladist import variables
+    for module in self._store.modules():
+      if isinstance(module, variables.Variable) and module.value_ is value:
+        return module
+    return value
+
+  def read_var(self, var):
+    """The value of `var` in cross-replica context: one copy of a mirrored
+    variable, the aggregate of a sync-on-read one (a tensor)."""
+    _require_cross_replica(self._strategy_ref, "extended.read_var",
+                           "Read the variable directly inside a step.")
+    return _variable_tensor(var).detach().clone()
+
+  def variable_created_in_scope(self, v):
+    """True when `v` (a parameter, buffer or xladist.Variable) is a variable of this strategy."""
+    store = self._store
+    if isinstance(v, torch.nn.Module):
+      return any(m is v for m in store.modules())
+    return isinstance(v, torch.Tensor) and store.tracks(v)
+
+  def _to_destinations(self, value, destinations):
+    return to_destinations(value, destinations, self._num_replicas_in_sync,
+                           self._tracing())
+
+  def _in_region(self):
+    return False
+
+  def _tracing(self):
+    """True while a step of this strategy is being traced (nothing may be read
+    back to the host then)."""
+    return context.in_step(self._strategy_ref) or self._in_region()
+
+  # -- hooks: a strategy overrides these ------------------------------------------
+  def _fed_replicas(self):
+    """The replicas whose inputs this host builds (all of them on one host)."""
+    return range(self._num_replicas_in_sync)
+
+  def _group_leaf(self, components):
+    """One leaf per fed replica -> a distributed value (see _fed_replicas)."""
+    return _group_leaf(components)
+
+  def _local_results(self, value):
+    if isinstance(value, DistributedValues):
+      return tuple(value.values)
+    return (value,)
+
+  def _enter_scope(self):
+    pass
+
+  def _exit_scope(self):
+    pass
+
+  def _current_device(self):
+    return torch.device("cpu")
+
+  def _broadcast(self, tensor):
+    return tensor
+
+  def _experimental_distribute_dataset(self, dataset, options):
+    return input_dataset.from_dataset(
+        self, dataset, options, "strategy.experimental_distribute_dataset")
+
+  def _distribute_datasets_from_function(self, dataset_fn, options):
+    api = "strategy.distribute_datasets_from_function"
+    n = self._num_replicas_in_sync
+    per_replica = options.experimental_replication_mode is InputReplicationMode.PER_REPLICA
+    pipelines = n if per_replica else 1
+    datasets = []
+    for i in range(pipelines):
+      dataset = dataset_fn(InputContext(pipelines, i, n))
+      input_dataset.check_dataset(dataset, api, f"what dataset_fn returned for pipeline {i}")
+      datasets.append(dataset)
+    return input_dataset.from_datasets(self, datasets, options, api)
+
+  def _place_inputs(self, tensors):
+    """Tensors (N, b, ...) whose row r is replica r's -> the values `run` takes.
+
+    Called in the prefetch thread with the tensors of one element. One replica:
+    each batch itself on the strategy's device; several: PerReplica values.
+    """
+    if self._num_replicas_in_sync == 1:
+      return [self._broadcast(t[0]) for t in tensors]
+    return [PerReplica(tuple(t.unbind(0))) for t in tensors]
+
+  def _call_for_each_replica(self, fn, args, kwargs):
+    raise NotImplementedError  # every strategy overrides it
+
+  def _reduce(self, reduce_op, value, axis, options=None):
+    """The reduced value of `value` in the global view (no region active)."""
+    return reduce_global(reduce_op, value, axis, self._num_replicas_in_sync)
+
+  def _batch_reduce(self, reduce_op, values, options=None):
+    return [self._reduce(reduce_op, v, None, options) for v in values]
+
+  def _gather(self, value, axis):
+    n = self._num_replicas_in_sync
+    if isinstance(value, PerReplica):
+      stacked = value._stacked if value._stacked is not None else torch.stack(
+          [torch.as_tensor(c) for c in value.values])
+    else:
+      if isinstance(value, Mirrored):
+        value = value.primary
+      value = torch.as_tensor(value)
+      stacked = value.unsqueeze(0).expand((n,) + tuple(value.shape))
+    return _concat_stacked(stacked, axis, "strategy.gather")
+
+
+class _OverrideScope:
+  """The context manager of tower_local_var_scope."""
+
+  def __init__(self, extended, policy):
+    self._store, self._policy = extended._store, policy
+
+  def __enter__(self):
+    self._store.push_override(self._policy)
+    return self
+
+  def __exit__(self, *exc):
+    self._store.pop_override()
+    return False
+
+
+class _Colocation:
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    return False
+
+
+def _variable_tensor(var):
+  from xladist import variables
+  return var.value_ if isinstance(var, variables.Variable) else var
+
+
+def _describe(var):
+  if isinstance(var, torch.Tensor):
+    return f"a {type(var).__name__} of shape {tuple(var.shape)}"
+  return f"a {type(var).__name__}"
+
+
+def _group_leaf(components):
+  """One leaf per replica -> a PerReplica, or the plain value if it is not a
+  tensor and the same for every replica (e.g. a Python constant)."""
+  first = components[0]
+  if not isinstance(first, torch.Tensor) and not isinstance(first, DistributedValues):
+    try:
+      if all(c == first for c in components[1:]):
+        return first
+    except (TypeError, ValueError, RuntimeError):
+      pass
+  return PerReplica(components)
