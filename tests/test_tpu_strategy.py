@@ -31,14 +31,30 @@ def _mlp():
   return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
 
 
+def _build(strategy, state, make=None, lr=0.1, momentum=0.9):
+  with strategy.scope():
+    model = (make or _mlp)()
+    model.load_state_dict(state)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+  return model, opt
+
+
+def _split_step(strategy, model, opt, partition):
+  """A training step whose input is split over the logical devices by `partition`."""
+  def step(x, y):
+    loss = F.cross_entropy(model(strategy.experimental_split_to_logical_devices(x, partition)), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss
+  return step
+
+
 def _train(strategy, state, xs, ys, partition, steps=3):
   """SGD steps; the first layer's input is split over the logical devices by
   `partition` ("hidden": the hidden activation, which needs a gradient, is
   split on its features instead)."""
-  with strategy.scope():
-    model = _mlp()
-    model.load_state_dict(state)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+  model, opt = _build(strategy, state)
 
   def step(x, y):
     if partition == "hidden":
@@ -134,16 +150,8 @@ def model_ref(state):
 def test_gradients_reduce_over_replicas_per_core(tpu22, state):
   """The replica all-reduce pairs core c of every replica: groups {0,2} and {1,3}."""
   xs, ys = _data(2, steps=1)
-  with tpu22.scope():
-    model = _mlp()
-    model.load_state_dict(state)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-  def step(x, y):
-    loss = F.cross_entropy(model(tpu22.experimental_split_to_logical_devices(x, [2, 1])), y)
-    loss.backward()
-    opt.step()
-    return loss
+  model, opt = _build(tpu22, state, momentum=0.0)
+  step = _split_step(tpu22, model, opt, [2, 1])
   tpu22.run(step, args=(_models.split(tpu22, xs[0]), _models.split(tpu22, ys[0])))
   hlo = _runtime.hlo_text(list(model.parameters()))
   assert any("replica_groups={{0,2},{1,3}}" in l for l in hlo.splitlines()
@@ -272,18 +280,8 @@ def test_tpu_strategy_host_flags_on_one_host(tpu22):
 def test_batch_split_cnn_trains_like_the_global_batch_and_divides_the_convolutions(tpu22):
   state = _models.initial_state("cnn")
   xs, ys = _models.make_data("cnn", 2, steps=3, b=B)
-  with tpu22.scope():
-    model = _models.MODELS["cnn"][0]()
-    model.load_state_dict(state)
-    opt = torch.optim.SGD(model.parameters(), lr=_models.LR, momentum=_models.MOMENTUM)
-
-  def step(x, y):
-    x = tpu22.experimental_split_to_logical_devices(x, [2, 1, 1, 1])
-    loss = F.cross_entropy(model(x), y)
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss
+  model, opt = _build(tpu22, state, _models.MODELS["cnn"][0], _models.LR, _models.MOMENTUM)
+  step = _split_step(tpu22, model, opt, [2, 1, 1, 1])
   losses = []
   for x, y in zip(xs, ys):
     out = tpu22.run(step, args=(_models.split(tpu22, x), _models.split(tpu22, y)))
@@ -303,17 +301,8 @@ def test_batch_split_cnn_trains_like_the_global_batch_and_divides_the_convolutio
 
 def test_split_training_compiles_once_and_runs_one_program_per_step(tpu22, state):
   xs, ys = _data(2, steps=8)
-  with tpu22.scope():
-    model = _mlp()
-    model.load_state_dict(state)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-
-  def step(x, y):
-    loss = F.cross_entropy(model(tpu22.experimental_split_to_logical_devices(x, [2, 1])), y)
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss
+  model, opt = _build(tpu22, state)
+  step = _split_step(tpu22, model, opt, [2, 1])
   counts = []
   for x, y in zip(xs, ys):
     tpu22.run(step, args=(_models.split(tpu22, x), _models.split(tpu22, y)))
