@@ -10,7 +10,7 @@ STAMP := $(XLADIST_VENV)/.xladist-$(shell sha1sum pyproject.toml | cut -c1-12)
 RUN := PYTHONPATH=$(CURDIR) $(PY)
 CPU_ENV := PJRT_DEVICE=CPU CPU_NUM_DEVICES=4
 
-.PHONY: venv demo test bench bench-input bench-collectives clean-venv
+.PHONY: venv demo test bench bench-input bench-collectives bench-logical clean-venv
 
 venv: $(STAMP)
 
@@ -34,6 +34,9 @@ bench-input: venv
 
 bench-collectives: venv
 	$(CPU_ENV) $(RUN) bench/collectives.py
+
+bench-logical: venv
+	$(CPU_ENV) $(RUN) bench/logical_devices.py
 
 clean-venv:
 	rm -rf $(XLADIST_VENV)
