@@ -33,7 +33,41 @@ def main(out_file):
     xs, ys = _models.make_data(kind, n)
     losses, final = _models.train_xladist(strategy, kind, state, xs, ys)
     result[kind] = {"state": state, "xs": xs, "ys": ys, "losses": losses, "final": final}
+  if n > 1:
+    result["logical"] = logical_devices(n)
   torch.save(result, out_file)
+
+
+def logical_devices(n):
+  """TPUStrategy with 1 x 2 devices (n = 2) and 2 x 4 (n = 8); the MLP's input
+  split on the batch, then on the features (n = 2) or on both (n = 8)."""
+  import torch.nn.functional as F
+  k = 2 if n == 2 else 4
+  assignment = xd.experimental.DeviceAssignment.build(computation_shape=[k],
+                                                      num_replicas=n // k)
+  strategy = xd.TPUStrategy(experimental_device_assignment=assignment)
+  out = {}
+  for partition in ([k, 1], [1, 2] if k == 2 else [2, 2]):
+    state = _models.initial_state("mlp")
+    xs, ys = _models.make_data("mlp", n // k, steps=3, b=4)
+    model, opt = _models.build_xladist(strategy, "mlp", state)
+
+    def step(x, y):
+      loss = F.cross_entropy(
+          model(strategy.experimental_split_to_logical_devices(x, partition)), y)
+      opt.zero_grad()
+      loss.backward()
+      opt.step()
+      return loss
+    losses = []
+    for x, y in zip(xs, ys):
+      per_replica = strategy.run(step, args=(_models.split(strategy, x), _models.split(strategy, y)))
+      losses.append(strategy.reduce("mean", per_replica, axis=None))
+    out[tuple(partition)] = {
+        "state": state, "xs": xs, "ys": ys,
+        "losses": torch.stack([l.cpu() for l in losses]),
+        "final": {key: v.detach().cpu() for key, v in model.state_dict().items()}}
+  return out
 
 
 if __name__ == "__main__":

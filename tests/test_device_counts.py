@@ -52,6 +52,19 @@ def test_training_matches_single_device(n, kind):
   assert _models.max_relative_error(r["final"], ref_state) < 1e-5
 
 
+@pytest.mark.parametrize("n", [2, 8])
+def test_logical_devices_train_like_the_global_batch(n):
+  """1 replica x 2 devices (n = 2) and 2 replicas x 4 devices (n = 8)."""
+  results = _worker_result(n)["logical"]
+  k = 2 if n == 2 else 4
+  assert set(results) == {(k, 1), (1, 2) if k == 2 else (2, 2)}
+  for r in results.values():
+    assert r["xs"][0].shape[0] == (n // k) * 4
+    ref_losses, ref_state = _models.train_reference("mlp", r["state"], r["xs"], r["ys"])
+    assert _models.max_relative_error(r["losses"], ref_losses) < 1e-5
+    assert _models.max_relative_error(r["final"], ref_state) < 1e-5
+
+
 def test_torch_xla_used_without_spmd_first_is_a_clear_error():
   code = ("import torch, torch_xla\n"
           "t = torch.ones(2, device=torch_xla.device())\n"

@@ -115,7 +115,18 @@ class TPUExtended(MultiWorkerExtended):
 
   @property
   def num_logical_devices_per_replica(self):
+    """The devices (TF's logical devices) of each replica."""
     return self._cores_per_replica
+
+  @property
+  def num_hosts(self):
+    """The hosts (processes) of the slice."""
+    return self._cluster.num_workers
+
+  @property
+  def num_replicas_per_host(self):
+    """The replicas each host feeds."""
+    return self._num_replicas_in_sync // self._cluster.num_workers
 
   @property
   def experimental_device_assignment(self):
