@@ -168,14 +168,18 @@ def test_split_of_a_2d_partition_and_assign_and_replicate(tpu22):
     t = (s * 2 + 1).t()                       # blockwise, then transposed
     whole = tpu22.experimental_replicate_to_logical_devices(t)
     one = tpu22.experimental_assign_to_logical_device(s.sum(0), 1)
-    return whole, one, s.mean(), (s @ torch.ones(6, 2, device=v.device))
-  whole, one, mean, prod = tpu22.run(step, args=(_models.split(tpu22, x.reshape(8, 6)),))
+    reflected = (10 - s) * (1 / (s + 1)) + 2 ** (s / 8)  # __rsub__, __rdiv__, __rpow__
+    return whole, one, s.mean(), (s @ torch.ones(6, 2, device=v.device)), reflected
+  whole, one, mean, prod, reflected = tpu22.run(
+      step, args=(_models.split(tpu22, x.reshape(8, 6)),))
   for r in range(2):
     xr = x[r]
     assert torch.equal(whole.values[r].cpu(), (xr * 2 + 1).t())
     assert torch.equal(one.values[r].cpu(), xr.sum(0))
     assert torch.allclose(mean.values[r].cpu(), xr.mean())
     assert torch.allclose(prod.values[r].cpu(), xr @ torch.ones(6, 2))
+    assert torch.allclose(reflected.values[r].cpu(),
+                          (10 - xr) * (1 / (xr + 1)) + 2 ** (xr / 8), rtol=1e-6)
 
 
 def test_default_tpu_strategy_is_one_replica_per_device_and_trains_like_mirrored(state):

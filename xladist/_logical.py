@@ -205,7 +205,7 @@ def whole(value):
 
 # -- rules (called with torch-function handling off) --------------------------------------
 _DUNDER_OPS = {"radd": "add", "iadd": "add_", "rmul": "mul", "imul": "mul_",
-               "rsub": "rsub", "isub": "sub_", "truediv": "div", "rtruediv": "div",
+               "rsub": "rsub", "isub": "sub_", "truediv": "div", "rtruediv": "div", "rdiv": "div",
                "itruediv": "div_", "rpow": "pow", "ipow": "pow_", "and": "bitwise_and",
                "or": "bitwise_or", "xor": "bitwise_xor", "invert": "bitwise_not",
                "lt": "lt", "le": "le", "gt": "gt", "ge": "ge", "eq": "eq", "ne": "ne"}
@@ -247,17 +247,24 @@ def _prepare(splits, args, kwargs):
   return pytree.tree_map(local, (args, kwargs)), dims, axis
 
 
+def _writes_first_argument(func):
+  """add_, mul_, __iadd__ ... (but not the reflected __rsub__, __rpow__ ...)."""
+  name = func.__name__
+  return name.startswith("__i") if name.startswith("__") else name.endswith("_")
+
+
 def _pointwise(func, args, kwargs):
   splits = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, LogicalSplit)]
-  if "out" in kwargs or (func.__name__.endswith("_") and not isinstance(args[0], LogicalSplit)):
+  in_place = _writes_first_argument(func)
+  if "out" in kwargs or (in_place and not isinstance(args[0], LogicalSplit)):
     return NotImplemented  # writing into a whole tensor: reassemble first
   prepared = _prepare(splits, args, kwargs)
   if prepared is None:
     return NotImplemented
   (largs, lkwargs), dims, axis = prepared
   out = func(*largs, **lkwargs)
-  if func.__name__.endswith("_") or func.__name__.startswith("__i"):
-    return args[0]  # in place: the block was written
+  if in_place:
+    return args[0]  # the block was written
   return _wrap(out, dims, axis)
 
 
