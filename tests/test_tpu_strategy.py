@@ -169,8 +169,9 @@ def test_split_of_a_2d_partition_and_assign_and_replicate(tpu22):
     whole = tpu22.experimental_replicate_to_logical_devices(t)
     one = tpu22.experimental_assign_to_logical_device(s.sum(0), 1)
     reflected = (10 - s) * (1 / (s + 1)) + 2 ** (s / 8)  # __rsub__, __rdiv__, __rpow__
-    return whole, one, s.mean(), (s @ torch.ones(6, 2, device=v.device)), reflected
-  whole, one, mean, prod, reflected = tpu22.run(
+    return (whole, one, s.mean(), (s @ torch.ones(6, 2, device=v.device)), reflected,
+            s.T * 3)
+  whole, one, mean, prod, reflected, transposed = tpu22.run(
       step, args=(_models.split(tpu22, x.reshape(8, 6)),))
   for r in range(2):
     xr = x[r]
@@ -180,6 +181,7 @@ def test_split_of_a_2d_partition_and_assign_and_replicate(tpu22):
     assert torch.allclose(prod.values[r].cpu(), xr @ torch.ones(6, 2))
     assert torch.allclose(reflected.values[r].cpu(),
                           (10 - xr) * (1 / (xr + 1)) + 2 ** (xr / 8), rtol=1e-6)
+    assert torch.equal(transposed.values[r].cpu(), xr.T * 3)
 
 
 def test_default_tpu_strategy_is_one_replica_per_device_and_trains_like_mirrored(state):

@@ -350,11 +350,14 @@ def _linear(func, args, kwargs):
   return out + bias
 
 
+_T_GETTER = torch.Tensor.T.__get__  # its __name__ is "__get__"
+
+
 def _transpose(func, args, kwargs):
   x = args[0]
   n = x.dim()
   name = func.__name__
-  if name in ("t", "T"):
+  if name == "t" or func == _T_GETTER:
     perm = list(range(n))[::-1]
   elif name in ("transpose", "swapaxes"):
     perm = list(range(n))
@@ -485,7 +488,7 @@ _RULES = {
     torch.ones_like: _same_layout,
     torch.Tensor.t: _transpose,
     torch.t: _transpose,
-    torch.Tensor.T.__get__: _transpose,
+    _T_GETTER: _transpose,
     torch.Tensor.transpose: _transpose,
     torch.transpose: _transpose,
     torch.Tensor.permute: _transpose,
