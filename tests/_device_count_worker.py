@@ -41,7 +41,6 @@ def main(out_file):
 def logical_devices(n):
   """TPUStrategy with 1 x 2 devices (n = 2) and 2 x 4 (n = 8); the MLP's input
   split on the batch, then on the features (n = 2) or on both (n = 8)."""
-  import torch.nn.functional as F
   k = 2 if n == 2 else 4
   assignment = xd.experimental.DeviceAssignment.build(computation_shape=[k],
                                                       num_replicas=n // k)
@@ -50,23 +49,13 @@ def logical_devices(n):
   for partition in ([k, 1], [1, 2] if k == 2 else [2, 2]):
     state = _models.initial_state("mlp")
     xs, ys = _models.make_data("mlp", n // k, steps=3, b=4)
-    model, opt = _models.build_xladist(strategy, "mlp", state)
 
-    def step(x, y):
-      loss = F.cross_entropy(
-          model(strategy.experimental_split_to_logical_devices(x, partition)), y)
-      opt.zero_grad()
-      loss.backward()
-      opt.step()
-      return loss
-    losses = []
-    for x, y in zip(xs, ys):
-      per_replica = strategy.run(step, args=(_models.split(strategy, x), _models.split(strategy, y)))
-      losses.append(strategy.reduce("mean", per_replica, axis=None))
-    out[tuple(partition)] = {
-        "state": state, "xs": xs, "ys": ys,
-        "losses": torch.stack([l.cpu() for l in losses]),
-        "final": {key: v.detach().cpu() for key, v in model.state_dict().items()}}
+    def make_forward(model, partition=partition):
+      return lambda x: model(strategy.experimental_split_to_logical_devices(x, partition))
+    losses, final = _models.train_xladist(strategy, "mlp", state, xs, ys,
+                                          make_forward=make_forward)
+    out[tuple(partition)] = {"state": state, "xs": xs, "ys": ys, "losses": losses,
+                             "final": final}
   return out
 
 

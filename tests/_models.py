@@ -25,7 +25,12 @@ def make_cnn():
       torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 5))
 
 
-MODELS = {"mlp": (make_mlp, (12,)), "cnn": (make_cnn, (1, 8, 8))}
+def make_small_mlp():
+  return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 5))
+
+
+MODELS = {"mlp": (make_mlp, (12,)), "cnn": (make_cnn, (1, 8, 8)),
+          "small-mlp": (make_small_mlp, (8,))}
 
 
 def make_data(kind, num_replicas, steps=STEPS, b=PER_REPLICA_BATCH, seed=1):
@@ -75,9 +80,12 @@ def build_xladist(strategy, kind, state):
   return model, opt
 
 
-def make_step(model, opt):
+def make_step(model, opt, forward=None):
+  """One SGD step; `forward(x)` (default `model(x)`) computes the logits."""
+  forward = model if forward is None else forward
+
   def step(x, y):
-    loss = F.cross_entropy(model(x), y)
+    loss = F.cross_entropy(forward(x), y)
     opt.zero_grad()
     loss.backward()
     opt.step()
@@ -85,11 +93,14 @@ def make_step(model, opt):
   return step
 
 
-def train_xladist(strategy, kind, state, xs, ys, on_step=None):
-  """Trains with strategy.run; returns (per-step mean losses, final CPU state)."""
+def train_xladist(strategy, kind, state, xs, ys, on_step=None, make_forward=None):
+  """Trains with strategy.run; returns (per-step mean losses, final CPU state).
+
+  `make_forward(model)`, if given, returns the step's forward function (see make_step).
+  """
   from xladist import _runtime
   model, opt = build_xladist(strategy, kind, state)
-  step = make_step(model, opt)
+  step = make_step(model, opt, make_forward(model) if make_forward else None)
   losses = []
   for i, (x, y) in enumerate(zip(xs, ys)):
     out = strategy.run(step, args=(split(strategy, x), split(strategy, y)))

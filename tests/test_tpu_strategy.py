@@ -8,7 +8,6 @@ import re
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import xladist as xd
 from xladist import _runtime
@@ -27,99 +26,52 @@ def tpu22():
   return s
 
 
-def _mlp():
-  return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+KIND = "small-mlp"  # Linear(8, 16), Tanh, Linear(16, 5)
 
 
-def _build(strategy, state, make=None, lr=0.1, momentum=0.9):
-  with strategy.scope():
-    model = (make or _mlp)()
-    model.load_state_dict(state)
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-  return model, opt
+def _split_forward(strategy, partition):
+  """make_forward for _models: the input split by `partition` ("hidden": the
+  hidden activation, which needs a gradient, split on its features instead)."""
+  def make_forward(model):
+    def forward(x):
+      if partition == "hidden":
+        h = strategy.experimental_split_to_logical_devices(model[1](model[0](x)), [1, 2])
+        return model[2](h)
+      if partition is not None:
+        x = strategy.experimental_split_to_logical_devices(x, partition)
+      return model(x)
+    return forward
+  return make_forward
 
 
 def _split_step(strategy, model, opt, partition):
   """A training step whose input is split over the logical devices by `partition`."""
-  def step(x, y):
-    loss = F.cross_entropy(model(strategy.experimental_split_to_logical_devices(x, partition)), y)
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss
-  return step
-
-
-def _train(strategy, state, xs, ys, partition, steps=3):
-  """SGD steps; the first layer's input is split over the logical devices by
-  `partition` ("hidden": the hidden activation, which needs a gradient, is
-  split on its features instead)."""
-  model, opt = _build(strategy, state)
-
-  def step(x, y):
-    if partition == "hidden":
-      h = strategy.experimental_split_to_logical_devices(model[1](model[0](x)), [1, 2])
-      logits = model[2](h)
-    else:
-      if partition is not None:
-        x = strategy.experimental_split_to_logical_devices(x, partition)
-      logits = model(x)
-    loss = F.cross_entropy(logits, y)
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss
-  losses = []
-  for x, y in zip(xs[:steps], ys[:steps]):
-    out = strategy.run(step, args=(_models.split(strategy, x), _models.split(strategy, y)))
-    losses.append(strategy.reduce("mean", out, axis=None))
-  _runtime.sync()
-  return (torch.stack([l.cpu() for l in losses]),
-          {k: v.detach().cpu() for k, v in model.state_dict().items()})
-
-
-def _reference(state, xs, ys, steps=3):
-  model = _mlp()
-  model.load_state_dict(state)
-  opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-  losses = []
-  for x, y in zip(xs[:steps], ys[:steps]):
-    loss = F.cross_entropy(model(x), y)
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    losses.append(loss.detach())
-  return torch.stack(losses), model.state_dict()
+  return _models.make_step(model, opt, _split_forward(strategy, partition)(model))
 
 
 def _data(num_replicas, steps=3):
-  g = torch.Generator().manual_seed(3)
-  n = num_replicas * B
-  return ([torch.randn(n, 8, generator=g) for _ in range(steps)],
-          [torch.randint(0, 3, (n,), generator=g) for _ in range(steps)])
+  return _models.make_data(KIND, num_replicas, steps=steps, b=B)
 
 
 @pytest.fixture(scope="module")
 def state():
-  torch.manual_seed(0)
-  return _mlp().state_dict()
+  return _models.initial_state(KIND)
 
 
 @pytest.mark.parametrize("partition", [None, [2, 1], [1, 2], "hidden"],
                          ids=["unsplit", "batch-split", "feature-split", "hidden-split"])
 def test_split_layer_equals_unsplit_and_single_device_training(tpu22, state, partition):
   xs, ys = _data(2)
-  losses, final = _train(tpu22, state, xs, ys, partition)
-  ref_losses, ref_final = _reference(state, xs, ys)
+  losses, final = _models.train_xladist(tpu22, KIND, state, xs, ys,
+                                        make_forward=_split_forward(tpu22, partition))
+  ref_losses, ref_final = _models.train_reference(KIND, state, xs, ys)
   assert _models.max_relative_error(losses, ref_losses) < 1e-5
   assert _models.max_relative_error(final, ref_final) < 1e-5
 
 
 def test_split_step_hlo_divides_the_layer_over_the_core_axis(tpu22, state):
   xs, ys = _data(2, steps=1)
-  with tpu22.scope():
-    model = _mlp()
-    model.load_state_dict(state)
+  model, _ = _models.build_xladist(tpu22, KIND, state)
 
   def step(x):
     h = tpu22.experimental_split_to_logical_devices(x, [2, 1])
@@ -135,22 +87,18 @@ def test_split_step_hlo_divides_the_layer_over_the_core_axis(tpu22, state):
                   if " all-reduce(" in l and "replica_groups={{0,1},{2,3}}" in l]
   assert core_reduces, hlo[-3000:]
   values = [v.cpu() for v in tpu22.experimental_local_results(out)]
+  ref = _models.MODELS[KIND][0]()
+  ref.load_state_dict(state)
   with torch.no_grad():
-    expected = [model_ref(state)(xs[0][r * B:(r + 1) * B]).square().sum() for r in range(2)]
+    expected = [ref(xs[0][r * B:(r + 1) * B]).square().sum() for r in range(2)]
   for v, e in zip(values, expected):
     assert torch.allclose(v, e, rtol=1e-5)
-
-
-def model_ref(state):
-  m = _mlp()
-  m.load_state_dict(state)
-  return m
 
 
 def test_gradients_reduce_over_replicas_per_core(tpu22, state):
   """The replica all-reduce pairs core c of every replica: groups {0,2} and {1,3}."""
   xs, ys = _data(2, steps=1)
-  model, opt = _build(tpu22, state, momentum=0.0)
+  model, opt = _models.build_xladist(tpu22, KIND, state)
   step = _split_step(tpu22, model, opt, [2, 1])
   tpu22.run(step, args=(_models.split(tpu22, xs[0]), _models.split(tpu22, ys[0])))
   hlo = _runtime.hlo_text(list(model.parameters()))
@@ -190,8 +138,8 @@ def test_default_tpu_strategy_is_one_replica_per_device_and_trains_like_mirrored
   assert s.extended.num_logical_devices_per_replica == 1
   assert s.cluster_resolver is not None
   xs, ys = _data(4)
-  losses, final = _train(s, state, xs, ys, None)
-  ref_losses, ref_final = _reference(state, xs, ys)
+  losses, final = _models.train_xladist(s, KIND, state, xs, ys)
+  ref_losses, ref_final = _models.train_reference(KIND, state, xs, ys)
   assert _models.max_relative_error(final, ref_final) < 1e-5
   assert _models.max_relative_error(losses, ref_losses) < 1e-5
 
@@ -287,7 +235,7 @@ def test_tpu_strategy_host_flags_on_one_host(tpu22):
 def test_batch_split_cnn_trains_like_the_global_batch_and_divides_the_convolutions(tpu22):
   state = _models.initial_state("cnn")
   xs, ys = _models.make_data("cnn", 2, steps=3, b=B)
-  model, opt = _build(tpu22, state, _models.MODELS["cnn"][0], _models.LR, _models.MOMENTUM)
+  model, opt = _models.build_xladist(tpu22, "cnn", state)
   step = _split_step(tpu22, model, opt, [2, 1, 1, 1])
   losses = []
   for x, y in zip(xs, ys):
@@ -308,7 +256,7 @@ def test_batch_split_cnn_trains_like_the_global_batch_and_divides_the_convolutio
 
 def test_split_training_compiles_once_and_runs_one_program_per_step(tpu22, state):
   xs, ys = _data(2, steps=8)
-  model, opt = _build(tpu22, state)
+  model, opt = _models.build_xladist(tpu22, KIND, state)
   step = _split_step(tpu22, model, opt, [2, 1])
   counts = []
   for x, y in zip(xs, ys):

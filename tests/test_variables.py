@@ -28,12 +28,7 @@ def _batches(steps=3, n=4, b=5):
 
 
 def _train(strategy, model, opt, batches):
-  def step(x, y):
-    loss = F.cross_entropy(model(x), y)
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss
+  step = _models.make_step(model, opt)
   losses = []
   for x, y in batches:
     out = strategy.run(step, args=(_models.split(strategy, x), _models.split(strategy, y)))
