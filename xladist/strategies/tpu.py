@@ -113,6 +113,11 @@ class TPUExtended(MultiWorkerExtended):
   says between_graph False and checkpoints from that client.)
   """
 
+  def __init__(self, strategy, cluster, cluster_resolver, device_assignment):
+    super().__init__(strategy, cluster, cluster_resolver,
+                     cores_per_replica=device_assignment.num_cores_per_replica, api=_API)
+    self._device_assignment = device_assignment
+
   @property
   def num_logical_devices_per_replica(self):
     """The devices (TF's logical devices) of each replica."""
@@ -130,6 +135,7 @@ class TPUExtended(MultiWorkerExtended):
 
   @property
   def experimental_device_assignment(self):
+    """The `DeviceAssignment` the strategy was built with."""
     return self._device_assignment
 
 
@@ -171,9 +177,7 @@ class TPUStrategy(Strategy):
           f"None, got {type(assignment).__name__}.")
     # On a pod (several workers) this starts torch_xla's multi-host runtime.
     cluster = _multihost.initialize(tpu_cluster_resolver, _API)
-    extended = TPUExtended(self, cluster, tpu_cluster_resolver,
-                           cores_per_replica=assignment.num_cores_per_replica, api=_API)
-    extended._device_assignment = assignment
+    extended = TPUExtended(self, cluster, tpu_cluster_resolver, assignment)
     extended._check_local_devices()
     super().__init__(extended)
 
