@@ -395,6 +395,15 @@ def process_is_chief():
 # -- input placement ------------------------------------------------------------------
 
 
+def _device_ids(device_names, api):
+  """Global device ids from torch_xla's device names ("TPU:4" -> 4)."""
+  try:
+    return [int(str(name).rsplit(":", 1)[1]) for name in device_names]
+  except (IndexError, ValueError):
+    raise RuntimeError(f"{api}: cannot read device ids from torch_xla's local devices "
+                       f"{list(device_names)}.") from None
+
+
 def local_shard_rows(local_device_names, replica_ids, api="xladist", cores_per_replica=1):
   """Which row of this host's input goes to each local device, in device order.
 
@@ -406,11 +415,7 @@ def local_shard_rows(local_device_names, replica_ids, api="xladist", cores_per_r
   Raises:
     RuntimeError: the local devices are not the host's replicas' devices.
   """
-  try:
-    ids = [int(str(name).rsplit(":", 1)[1]) for name in local_device_names]
-  except (IndexError, ValueError):
-    raise RuntimeError(f"{api}: cannot read device ids from torch_xla's local devices "
-                       f"{list(local_device_names)}.") from None
+  ids = _device_ids(local_device_names, api)
   start, k = replica_ids[0], cores_per_replica
   expected = [r * k + c for r in replica_ids for c in range(k)]
   if sorted(ids) != expected:
@@ -457,10 +462,11 @@ def local_components(stacked, replica_ids, num_replicas):
   _runtime.sync([stacked])
   _runtime.wait(host_timeout(), "experimental_local_results: the step that makes the value")
   k = _runtime.cores_per_replica(num_replicas)
+  shards = torch_xla._XLAC._get_local_shards([stacked])[0]
   rows = {}
-  for shard, device in torch_xla._XLAC._get_local_shards([stacked])[0]:
-    replica = int(str(device).rsplit(":", 1)[1]) // k
-    rows.setdefault(replica, shard)
+  for (shard, _), device_id in zip(shards, _device_ids([d for _, d in shards],
+                                                       "experimental_local_results")):
+    rows.setdefault(device_id // k, shard)
   missing = [r for r in replica_ids if r not in rows]
   if missing:
     raise RuntimeError(
