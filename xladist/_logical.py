@@ -449,9 +449,9 @@ _OVER_A_DIM = (F.softmax, F.log_softmax, torch.softmax, torch.log_softmax,
                torch.Tensor.softmax, torch.Tensor.log_softmax)
 _BATCHWISE = _OVER_A_DIM + (
     F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d,
-    F.conv_transpose3d, F.max_pool1d, F.max_pool2d, F.max_pool3d, F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, F.adaptive_avg_pool1d,
-    F.adaptive_avg_pool2d, F.adaptive_avg_pool3d, F.layer_norm, F.group_norm, F.embedding,
-    torch.Tensor.flatten)
+    F.conv_transpose3d, F.max_pool1d, F.max_pool2d, F.max_pool3d, F.avg_pool1d,
+    F.avg_pool2d, F.avg_pool3d, F.adaptive_avg_pool1d, F.adaptive_avg_pool2d,
+    F.adaptive_avg_pool3d, F.layer_norm, F.group_norm, F.embedding, torch.Tensor.flatten)
 
 
 def _shape(func, args, kwargs):

@@ -103,8 +103,8 @@ class Region:
     if isinstance(value, torch.Tensor) and value.device.type == "xla":
       local = value.detach().unsqueeze(0)
       full = torch.Size((self.num_replicas,) + tuple(value.shape))
-      stacked = _runtime.to_global(local, _runtime.replica_sharding(local.dim(), self.num_replicas),
-                                     full)
+      sharding = _runtime.replica_sharding(local.dim(), self.num_replicas)
+      stacked = _runtime.to_global(local, sharding, full)
       if self.num_replicas == 1:
         return stacked.squeeze(0)
       return PerReplica._from_stacked(stacked, self.num_replicas)

@@ -264,15 +264,14 @@ def to_global(local_tensor, op_sharding, full_shape):
                                      local_tensor.dtype)
 
 
-def spmd_all_reduce(op_name, tensor, scale=1.0, groups=None):
+def spmd_all_reduce(op_name, tensor, scale, groups):
   """An HLO all-reduce with global device ids (manual regions only).
 
   `op_name` is "sum", "min" or "max"; the result is multiplied by `scale`.
-  `groups` defaults to all replicas of a one-device-per-replica strategy (see
-  replica_groups and core_groups for the others).
+  `groups`: replica_groups(...) (across replicas) or core_groups(...) (across
+  one replica's devices).
   """
-  return _xlac()._xla_spmd_all_reduce(op_name, tensor, scale,
-                                      replica_groups() if groups is None else groups)
+  return _xlac()._xla_spmd_all_reduce(op_name, tensor, scale, groups)
 
 
 class HostReadInStep(RuntimeError):
