@@ -14,16 +14,15 @@ dict's `_metadata` is carried over too.
 import collections
 import hashlib
 import os
-import random
 import re
 import secrets
 import shutil
 
-import numpy as np
 import optree
 import torch
 
 from xladist import _runtime, values
+from xladist.input.order import host_rng_state, set_host_rng_state
 
 FORMAT = "xladist.checkpoint"
 VERSION = 1
@@ -176,18 +175,7 @@ def digest(value, h=None):
 
 
 def rng_state():
-  state = {
-    "torch": torch.get_rng_state(),
-    "random": random.getstate(),
-  }
-  kind, keys, pos, has_gauss, gauss = np.random.get_state()
-  state["numpy"] = (
-    kind,
-    torch.from_numpy(keys.astype(np.int64)),
-    int(pos),
-    int(has_gauss),
-    float(gauss),
-  )
+  state = host_rng_state()
   seed = _xla_seed()
   if seed is not None:
     state["xla"] = seed
@@ -210,11 +198,7 @@ def _xla_seed():
 
 
 def set_rng_state(state):
-  torch.set_rng_state(state["torch"])
-  version, internal, gauss = state["random"]
-  random.setstate((version, tuple(internal), gauss))
-  kind, keys, pos, has_gauss, gauss = state["numpy"]
-  np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+  set_host_rng_state(state)
   if "xla" in state and _xla_runtime_on_xla():
     import torch_xla.core.xla_model as xm
 

@@ -6,6 +6,7 @@ import copy
 import torch
 
 from xladist._checkpoint_io import api_name, check_plain
+from xladist.input import order
 from xladist.input.dataset import DistributedDataset, DistributedIterator
 from xladist.variable_store import copies_of
 
@@ -41,7 +42,7 @@ def apply(ckpt, name, kind, obj, value):
   if kind in (MODULE, STATEFUL):
     obj.load_state_dict(value)
   elif kind == ITERATOR:
-    obj._restart_at(value["position"])
+    obj._restart_at(value["position"], value.get("order"), api_name("restore"))
   elif kind == TENSOR:
     with torch.no_grad():
       obj.copy_(value)
@@ -79,8 +80,13 @@ def snapshot(ckpt, name, kind, obj):
 
     return undo_tensor
   if kind == ITERATOR:
-    position = obj._position
-    return lambda: obj._restart_at(position)
+    position, epoch_order, host = obj._position, obj._order, order.host_rng_state()
+
+    def undo_iterator():
+      obj._restart_at(position, epoch_order)
+      order.set_host_rng_state(host)
+
+    return undo_iterator
   old_value = ckpt._objects[name]
 
   def undo_value():
@@ -128,6 +134,8 @@ def check_entry(path, name, kind, obj, value, saved_class=None):
         f"{tuple(obj.shape)}; restore into a tensor of the saved shape."
       )
   elif kind == ITERATOR:
+    if "order" in value:
+      order.check(obj._sources, value["order"], where)
     layout = obj._layout
     if layout.max_elements is not None and value["position"] > layout.max_elements:
       raise ValueError(

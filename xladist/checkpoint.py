@@ -293,11 +293,7 @@ class Checkpoint:
         value = obj.state_dict()
         check_plain(value, f"{name}.state_dict()", api)
       elif kind == ITERATOR:
-        value = {
-          "position": obj._position,
-          "num_replicas": obj._layout.num_replicas,
-          "global_batches": obj._layout.global_batches,
-        }
+        value = obj._checkpoint_state(api, name)
       else:
         value = obj
       objects[name] = {"kind": kind, "value": value}

@@ -28,7 +28,7 @@ import numpy as np
 import optree
 import torch
 
-from xladist.input import prefetch
+from xladist.input import order, prefetch
 from xladist.input.options import InputReplicationMode
 from xladist.input.sharding import host_replica_ids
 from xladist.values import DistributedValues, PerReplica
@@ -386,6 +386,7 @@ def from_dataset(extended, dataset, options, api, hosts=None):
   builder = _Builder(n, options, _placer(extended, options, local), rows)
   return DistributedDataset._make(
     functools.partial(_global_batch_elements, dataset, builder, api),
+    [dataset],
     options,
     _Layout(n, global_batches=True, max_elements=_length(dataset)),
   )
@@ -410,6 +411,7 @@ def from_datasets(extended, datasets, options, api, hosts=None):
     most = -(-lengths[0] // local) if per_worker else max(lengths)
   return DistributedDataset._make(
     functools.partial(_per_replica_elements, datasets, per_worker, builder, api),
+    list(datasets),
     options,
     _Layout(n, global_batches=False, max_elements=most),
   )
@@ -539,16 +541,20 @@ class DistributedDataset:
     )
 
   @classmethod
-  def _make(cls, make_elements, options, layout):
+  def _make(cls, make_elements, sources, options, layout):
     self = cls.__new__(cls)
     self._make_elements = make_elements
+    self._sources = sources  # the user's datasets (their random state is checkpointed)
     self._options = options
     self._layout = layout
     return self
 
   def __iter__(self):
     return DistributedIterator._make(
-      self._make_elements, self._options.experimental_per_replica_buffer_size, self._layout
+      self._make_elements,
+      self._sources,
+      self._options.experimental_per_replica_buffer_size,
+      self._layout,
     )
 
   @property
@@ -610,14 +616,17 @@ class DistributedIterator:
     raise TypeError("DistributedIterator cannot be made directly; call iter(distributed_dataset).")
 
   @classmethod
-  def _make(cls, make_elements, depth, layout):
+  def _make(cls, make_elements, sources, depth, layout):
     self = cls.__new__(cls)
     self._peeked = _NOTHING
     self._spec = None
     self._make_elements = make_elements
+    self._sources = sources
     self._depth = depth
     self._layout = layout
     self._position = 0
+    # What this epoch's order is drawn from, before the dataset is iterated.
+    self._order = order.capture(sources)
     self._prefetcher = prefetch.Prefetcher(self, make_elements, depth)
     return self
 
@@ -689,16 +698,35 @@ class DistributedIterator:
         ) from None
     return self._spec
 
-  def _restart_at(self, position):
+  def _checkpoint_state(self, api, name):
+    """What a checkpoint keeps of this iterator (see checkpoint.py)."""
+    order.check_checkpointable(self._sources, api, name)
+    return {
+      "position": self._position,
+      "num_replicas": self._layout.num_replicas,
+      "global_batches": self._layout.global_batches,
+      "order": self._order,
+    }
+
+  def _restart_at(self, position, order_state=None, api="DistributedIterator"):
     """Restarts the epoch so that the next element is element `position` (from 0).
 
-    Used to restore a checkpoint. The dataset is iterated again from its start
-    and its first `position` elements are read and checked but neither built
-    nor transferred to the devices; elements this iterator had prefetched are
-    discarded. `_position` counts the elements `next()` returned in this epoch,
-    never the ones only prefetched.
+    Used to restore a checkpoint. With `order_state` (what `order.capture`
+    took when the saved epoch started) the dataset's random sources are put
+    back first, so the epoch is drawn in the same order. The dataset is
+    iterated again from its start and its first `position` elements are read
+    and checked but neither built nor transferred to the devices; elements
+    this iterator had prefetched are discarded. `_position` counts the
+    elements `next()` returned in this epoch, never the ones only prefetched.
     """
-    self._prefetcher.close()
+    if order_state is not None:
+      order.check(self._sources, order_state, api)
+    self._prefetcher.close()  # its thread may be drawing from the same generators
+    if order_state is not None:
+      order.apply(self._sources, order_state)
+      self._order = order_state
+    else:  # a checkpoint of an older release: the order is drawn anew
+      self._order = order.capture(self._sources)
     self._peeked = _NOTHING
     self._position = position
     make = self._make_elements

@@ -38,14 +38,15 @@ def _put(q, stop, entry):
   return False
 
 
-def _work(elements, error, q, stop):
+def _work(first, elements, q, stop):
   try:
-    if error is not None:
-      raise error
-    for element in elements:
-      if not _put(q, stop, (_ITEM, element)):
-        return
-    _put(q, stop, (_END, None))
+    if not _put(q, stop, first):
+      return
+    if elements is not None:
+      for element in elements:
+        if not _put(q, stop, (_ITEM, element)):
+          return
+      _put(q, stop, (_END, None))
   except BaseException as e:  # forwarded to the consumer, who re-raises it
     _put(q, stop, (_ERROR, e))
   finally:
@@ -55,6 +56,17 @@ def _work(elements, error, q, stop):
         close()  # runs the generator's cleanup (and its dataset iterator's)
       except Exception:  # the thread is finishing; nothing can report it
         pass
+
+
+def _first(make_elements):
+  """(first queue entry, the iterator to go on with) made in the caller's thread."""
+  try:
+    elements = make_elements()
+    return (_ITEM, next(elements)), elements
+  except StopIteration:
+    return (_END, None), None
+  except Exception as e:  # forwarded to the consumer's first get()
+    return (_ERROR, e), None
 
 
 def _shutdown(q, stop, thread):
@@ -72,11 +84,14 @@ def _shutdown(q, stop, thread):
 class Prefetcher:
   """Iterates `make_elements()` (a function returning an iterator) in a thread.
 
-  `make_elements` is called in the caller's thread, so that what it does at
-  once (a DataLoader's `iter()` draws a seed from torch's global generator)
-  happens at a reproducible point of the program, not at a time that depends
-  on thread scheduling; an exception it raises is re-raised by the first
-  `get()`, like one raised while iterating.
+  `make_elements` is called, and its first element made, in the caller's
+  thread, so that the random draws an epoch starts with (a DataLoader's
+  `iter()` takes a seed from its generator, its RandomSampler draws the
+  permutation when the first batch is read; on a restore, the skipped batches)
+  happen at a reproducible point of the program, never at a time that depends
+  on thread scheduling: a checkpoint's restore sets the global generators
+  right after. An exception raised there is re-raised by the first `get()`,
+  like one raised while iterating.
 
   Args:
     owner: the object whose garbage collection stops the thread.
@@ -85,16 +100,12 @@ class Prefetcher:
   """
 
   def __init__(self, owner, make_elements, depth):
-    elements, error = None, None
-    try:
-      elements = make_elements()
-    except Exception as e:  # forwarded to the consumer's first get()
-      error = e
+    first, elements = _first(make_elements)
     self._queue = queue.Queue(maxsize=depth)
     self._stop = threading.Event()
     self._thread = threading.Thread(
       target=_work,
-      args=(elements, error, self._queue, self._stop),
+      args=(first, elements, self._queue, self._stop),
       name=f"{THREAD_NAME}-{next(_counter)}",
       daemon=True,
     )
