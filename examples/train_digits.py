@@ -23,9 +23,10 @@ What this demo shows:
   distinct graph, not once per step), and the time from the script's start to
   the end of its first training step, with the state of the persistent
   compilation cache (`XLADIST_COMPILE_CACHE`). On TPU the cache is on by
-  default (`~/.cache/xladist/xla-cache`) and a second run reads its programs
-  from there instead of compiling them; torch_xla 2.9's XLA:CPU cannot load
-  programs back, so on CPU there is no cache unless asked for.
+  default (`~/.cache/xladist/xla-cache`), but torch_xla 2.9 cannot load cached
+  executables there (pytorch/xla#9094; not measured: nothing has run on a TPU);
+  torch_xla 2.9's XLA:CPU cannot load programs back either (checked), so on
+  CPU there is no cache unless asked for.
 * With `--cores-per-replica K`: `xd.TPUStrategy` with K devices (logical
   devices) per replica; each replica's batch is split over its K devices with
   `experimental_split_to_logical_devices`, so every device convolves K times

@@ -20,9 +20,9 @@ extras "tpu").
   --source SOURCE      where xladist comes from, either
                          a git URL (git+https://..., https://....git, git@...:...),
                            installed with pip's "xladist[EXTRAS] @ git+URL"; or
-                         a local sdist or wheel (e.g. dist/xladist-0.1.0.tar.gz,
-                           made with `python -m build`), first copied to every
-                           worker's home directory
+                         a local wheel or sdist (e.g. dist/xladist-0.1.0-py3-none-any.whl,
+                           made with `python -m pip wheel --no-deps -w dist .`),
+                           first copied to every worker's home directory
   --project PROJECT    the Google Cloud project (default: gcloud's)
   --extras EXTRAS      pip extras, comma-separated (default: tpu; the digits
                        example also needs dev: --extras tpu,dev)
@@ -65,7 +65,7 @@ done
 
 xd_require_name_zone
 [[ -n "$source_spec" ]] ||
-  xd_die "--source is required: a git URL of xladist or a local sdist/wheel (dist/xladist-*.tar.gz)"
+  xd_die "--source is required: a git URL of xladist or a local wheel or sdist (dist/xladist-*.whl)"
 [[ "$extras" =~ ^[A-Za-z0-9_-]+(,[A-Za-z0-9_-]+)*$ ]] ||
   xd_die "--extras '$extras' is not a comma-separated list of extras like tpu,dev"
 [[ -n "$venv" ]] || xd_die "--venv must not be empty"
@@ -79,7 +79,7 @@ case "$source_spec" in
     ;;
   *.tar.gz | *.whl | *.zip)
     if [[ "$XD_DRY_RUN" != 1 && ! -f "$source_spec" ]]; then
-      xd_die "--source '$source_spec' is not a file; build one with: python -m build --sdist"
+      xd_die "--source '$source_spec' is not a file; build a wheel with: python -m pip wheel --no-deps -w dist ."
     fi
     archive=$(basename "$source_spec")
     requirement="./${archive}[${extras}]"

@@ -562,6 +562,7 @@ class Step:
     "_sanctioned",
     "created",
     "optimizer_clean",
+    "aggregated_grads",
   )
 
   def __init__(self, region):
@@ -569,6 +570,9 @@ class Step:
     self.variables = []  # (tensor, global data, global grad, policy)
     self.optimizers = []  # (optimizer, state snapshot)
     self.stepped = set()  # ids of parameters an optimizer stepped
+    # id(parameter) -> its gradient aggregated across replicas in this step
+    # (by gradient clipping before optimizer.step(); see _grad_clip.py).
+    self.aggregated_grads = {}
     self.variable_ids = None
     self._ids = {}  # id(tensor) -> IR id when entered
     self._pins = []

@@ -287,14 +287,8 @@ class CentralStorageExtended(SPMDExtended):
         f"{self._strategy_ref!r}. Create the model under strategy.scope() so that "
         "its parameters live in the strategy's central storage."
       )
-    op = self.experimental_gradient_aggregation
+    self._aggregate_gradients(ctx, params, "optimizer.step()")
     grads = [p.grad for p in params]
-    if op is not None and params:
-
-      def merge_fn(strategy, *gs):
-        return strategy.extended.batch_reduce_to(op, [(g, g) for g in gs])
-
-      grads = ctx.merge_call(merge_fn, args=grads)
     step.stepped.update(id(p) for p in params)
     self._updates.append((optimizer, list(zip(params, grads))))
     for p in params:

@@ -6,7 +6,13 @@ import traceback
 import torch
 from torch.optim import optimizer as torch_optimizer
 
-from xladist import _replay, _runtime, _xm_in_step, context
+from xladist import (
+  _grad_clip,
+  _replay,
+  _runtime,
+  _xm_in_step,
+  context,
+)
 from xladist._global_view import check_axis as _check_axis
 from xladist._global_view import concat_stacked as _concat_stacked
 from xladist._region import HOST_READ_MESSAGE, Region
@@ -97,6 +103,7 @@ class SPMDExtended(StrategyExtended):
       return self._call_in_merge(fn, args, kwargs)
     strategy = self._strategy_ref
     store = self._store
+    _grad_clip.ensure_installed()
     placed = bool(store._pending)
     store.place_pending()
     _runtime.follow_torch_seed()
@@ -235,16 +242,60 @@ class SPMDExtended(StrategyExtended):
     # Mirrored variables with an aggregation that the optimizer updates are
     # updated identically on every replica (from aggregated gradients).
     step.optimizer_clean[id(optimizer)] = step.clean([p for p in params if step.is_aggregated(p)])
+    self._aggregate_gradients(ctx, params, "optimizer.step()")
+
+  def _aggregate_for_clipping(self, ctx, tensors):
+    """torch's gradient clipping inside this strategy's step (`_grad_clip.py`):
+    the gradients of variables in the list `tensors` are aggregated across
+    replicas and replace the local ones, in the list and in `.grad`."""
+    region = self._region
+    if region is None or ctx.strategy is not self._strategy_ref:
+      return
+    if self.experimental_gradient_aggregation is None:
+      return
+    owner = {id(t.grad): t for t, *_ in region.step.variables if t.grad is not None}
+    params = [owner.get(id(t)) for t in tensors]
+    found = [p for p in params if p is not None]
+    if not found:
+      return
+    self._aggregate_gradients(ctx, found, "torch.nn.utils gradient clipping")
+    for i, p in enumerate(params):
+      if p is not None:
+        tensors[i] = p.grad
+
+  def _aggregate_gradients(self, ctx, params, api):
+    """Replaces each parameter's local gradient by its aggregate across replicas
+    (the strategy's experimental_gradient_aggregation; one merge_call, packed
+    into few all-reduces), except those aggregated earlier in this step (by
+    gradient clipping). Called by optimizer.step() and by torch's clipping
+    functions inside `run` (`_grad_clip.py`)."""
     op = self.experimental_gradient_aggregation
-    if op is None or not params:
+    step = self._region.step
+    done = step.aggregated_grads
+    todo = []
+    for p in params:
+      if p.grad is None:
+        continue
+      if id(p) not in done:
+        todo.append(p)
+      elif done[id(p)] is not p.grad:
+        raise RuntimeError(
+          f"{api} in strategy.run: a gradient was replaced after gradient clipping "
+          "had aggregated it across replicas in this step (e.g. another backward() "
+          "with set_to_none, or an assignment to .grad), so xladist cannot tell "
+          "whether it is a per-replica or an aggregated value. Clip right before "
+          "optimizer.step(), after every backward() of the step."
+        )
+    if op is None or not todo:
       return
 
     def merge_fn(strategy, *grads):
       return strategy.extended.batch_reduce_to(op, [(g, g) for g in grads])
 
-    reduced = ctx.merge_call(merge_fn, args=[p.grad for p in params])
-    for p, g in zip(params, reduced):
+    reduced = ctx.merge_call(merge_fn, args=[p.grad for p in todo])
+    for p, g in zip(todo, reduced):
       p.grad = g
+      done[id(p)] = g
 
   def _after_step(self, optimizer, args, kwargs):
     region = self._region
