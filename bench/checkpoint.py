@@ -75,7 +75,7 @@ def _build(layers, width, seed):
   import torch
 
   import xladist as xd
-  from xladist import _runtime
+  from xladist import runtime as _runtime
 
   strategy = xd.MirroredStrategy()
   torch.manual_seed(seed)
@@ -94,9 +94,10 @@ def _fingerprint(model):
 def child(args):
   """One measurement in this process (--repeats runs of the operation); prints a JSON line."""
   import xladist.checkpoint as xc
-  from xladist import _checkpoint_sharded, _runtime
+  from xladist import runtime as _runtime
+  from xladist.checkpoint import sharded
 
-  _checkpoint_sharded._dcp()  # DCP and torch_xla's planners imported before the clock starts
+  sharded._dcp()  # DCP and torch_xla's planners imported before the clock starts
   model = _build(args.layers, args.width, seed=0 if args.op == "save" else 1)
   ckpt = xc.Checkpoint(model=model)
   times, peaks = [], []

@@ -61,7 +61,7 @@ import torch
 from _plot import add_plot_argument, save_plot
 
 import xladist as xd
-from xladist import _runtime
+from xladist import runtime as _runtime
 
 
 class ManyLinears(torch.nn.Module):

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from _plot import add_plot_argument, save_plot
 
 import xladist as xd
-from xladist import _runtime
+from xladist import runtime as _runtime
 from xladist.values import PerReplica
 
 perf = time.perf_counter

@@ -106,7 +106,7 @@ from _plot import add_plot_argument, save_plot
 from torch import nn
 
 import xladist as xd
-from xladist import _runtime
+from xladist import runtime as _runtime
 
 # -- models --------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from _plot import add_plot_argument, save_plot
 
 import xladist as xd
-from xladist import _runtime
+from xladist import runtime as _runtime
 
 perf = time.perf_counter
 

@@ -46,7 +46,7 @@ def _cache_description():
   """Where the persistent compilation cache is, or that it is off."""
   # xladist's runtime chose the location (XLADIST_COMPILE_CACHE; torch_xla's own
   # XLA_PERSISTENT_CACHE_PATH wins when set).
-  from xladist import _runtime
+  from xladist import runtime as _runtime
 
   path = os.environ.get("XLA_PERSISTENT_CACHE_PATH") or _runtime.compile_cache_path()
   if path is None:
@@ -97,7 +97,7 @@ class StartupClock:
 
   def first_step_done(self):
     """Records the end of the first step (wait for the device first)."""
-    from xladist import _runtime
+    from xladist import runtime as _runtime
 
     self.marks["first_step"] = time.perf_counter()
     self.compiled = _runtime.compile_count()

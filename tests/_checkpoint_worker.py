@@ -115,7 +115,7 @@ def two_hosts(rank, port, directory):
   """
   import torch.distributed as dist
 
-  from xladist import _multihost
+  from xladist.cluster_resolver import _multihost
 
   dist.init_process_group(
     "gloo",

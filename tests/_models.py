@@ -113,7 +113,7 @@ def train_xladist(strategy, kind, state, xs, ys, on_step=None, make_forward=None
 
   `make_forward(model)`, if given, returns the step's forward function (see make_step).
   """
-  from xladist import _runtime
+  from xladist.runtime import xla as _runtime
 
   model, opt = build_xladist(strategy, kind, state)
   step = make_step(model, opt, make_forward(model) if make_forward else None)

@@ -29,7 +29,7 @@ import torch_xla
 
 import xladist as xd
 import xladist.checkpoint as xc
-from xladist import _checkpoint_io, _checkpoint_sharded
+from xladist.checkpoint import file_io, sharded
 
 HERE = pathlib.Path(__file__).parent
 STEPS = 20
@@ -420,17 +420,15 @@ def test_iterator_of_distribute_datasets_from_function(strategy, tmp_path, fmt):
   if fmt == "sharded":
     c8 = tmp_path / "c8"
     shutil.copytree(path, c8)
-    manifest_path = c8 / _checkpoint_sharded.MANIFEST
+    manifest_path = c8 / sharded.MANIFEST
     manifest = torch.load(manifest_path, weights_only=True)
     manifest["objects"]["iterator"]["value"]["num_replicas"] = 8
-    manifest["digest"] = _checkpoint_sharded._manifest_digest(manifest)
+    manifest["digest"] = sharded._manifest_digest(manifest)
     torch.save(manifest, manifest_path)
   else:
     content = xc.read(path)
     content["objects"]["iterator"]["value"]["num_replicas"] = 8
-    content["digest"] = _checkpoint_io.digest(
-      {"objects": content["objects"], "rng": content["rng"]}
-    )
+    content["digest"] = file_io.digest({"objects": content["objects"], "rng": content["rng"]})
     c8 = tmp_path / "c8.pt"
     torch.save(content, c8)
   with (

@@ -17,7 +17,9 @@ import torch_xla
 import torch_xla.distributed.spmd as xs
 
 import xladist.checkpoint as xc
-from xladist import _checkpoint_sharded, _multihost, _runtime
+from xladist.checkpoint import sharded
+from xladist.cluster_resolver import _multihost
+from xladist.runtime import xla as _runtime
 
 HERE = pathlib.Path(__file__).parent
 SHARDED = xc.CheckpointOptions(sharded=True)
@@ -72,7 +74,7 @@ def test_a_replicated_tensor_is_written_once_by_the_host_with_least_to_write():
   replicated tensor to the first host; xladist's spreads them by size."""
   from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
 
-  _, SavePlanner, *_ = _checkpoint_sharded._dcp()
+  _, SavePlanner, *_ = sharded._dcp()
   state = {f"w{i}": torch.ones(64, 16 * (i + 1)) for i in range(6)}
 
   def plans(planner_class):
@@ -162,8 +164,8 @@ def _forge_metadata(path, payload):
     f.write(payload)
   manifest_path = os.path.join(path, "xladist.pt")
   manifest = torch.load(manifest_path, weights_only=True)
-  manifest["files"][".metadata"] = _checkpoint_sharded._sha256(os.path.join(path, ".metadata"))
-  manifest["digest"] = _checkpoint_sharded._manifest_digest(manifest)
+  manifest["files"][".metadata"] = sharded._sha256(os.path.join(path, ".metadata"))
+  manifest["digest"] = sharded._manifest_digest(manifest)
   torch.save(manifest, manifest_path)
 
 
@@ -233,7 +235,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint_and_no_temporary_directory
   def fail(*args):
     raise OSError("disk full")
 
-  monkeypatch.setattr(_checkpoint_sharded, "write_atomic", fail)  # just before the rename
+  monkeypatch.setattr(sharded, "write_atomic", fail)  # just before the rename
   with pytest.raises(OSError, match="disk full"):
     ckpt.save(path, options=SHARDED)
   monkeypatch.undo()

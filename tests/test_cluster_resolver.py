@@ -1,5 +1,6 @@
 """Cluster resolvers (TF_CONFIG, Cloud TPU VM environments) and multi-host input sharding."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -410,6 +411,19 @@ def test_input_context_helper_matches_host_batch():
     ids, _ = sharding.shard_for_input_context(batch, ctx)
     assert ids.tolist() == list(range(4 * host, 4 * host + 4))
   assert sharding.host_row_range(12, 3, 1, 6) == (4, 8)
+
+
+@dataclasses.dataclass
+class _Batch:
+  ids: torch.Tensor
+  tag: str
+
+
+def test_host_batch_splits_a_dataclass_by_its_fields():
+  # As experimental_distribute_dataset does (xladist/_nest.py): its tensors by rows.
+  got = sharding.host_batch(_Batch(torch.arange(12), "train"), 3, 1, 6)
+  assert isinstance(got, _Batch) and got.tag == "train"
+  assert got.ids.tolist() == [4, 5, 6, 7]
 
 
 def test_sharding_errors():

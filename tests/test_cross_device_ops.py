@@ -11,8 +11,8 @@ import torch
 from conftest import local_values
 
 import xladist as xd
-from xladist import _runtime
 from xladist.experimental import CommunicationImplementation, CommunicationOptions
+from xladist.runtime import xla as _runtime
 
 N = 4
 IMPLEMENTATIONS = {

@@ -16,7 +16,7 @@ from conftest import local_values
 
 import xladist as xd
 import xladist.checkpoint as xc
-from xladist import _runtime
+from xladist.runtime import xla as _runtime
 
 HERE = pathlib.Path(__file__).parent
 

@@ -1,6 +1,7 @@
 """Distributed input: experimental_distribute_dataset, distribute_datasets_from_function."""
 
 import collections
+import dataclasses
 import gc
 import re
 import threading
@@ -12,10 +13,17 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 import xladist as xd
-from xladist import _runtime
 from xladist.input import prefetch
+from xladist.runtime import xla as _runtime
 
 Pair = collections.namedtuple("Pair", ["a", "b"])
+
+
+@dataclasses.dataclass
+class Batch:
+  x: torch.Tensor
+  y: torch.Tensor
+  tag: str = "train"
 
 
 def replica_rows(strategy, value):
@@ -90,6 +98,38 @@ def test_nested_structures_namedtuples_and_plain_leaves(strategy):
   # Reading the spec does not consume the element.
   assert next(it)["name"] == "train"
   assert dist.element_spec["ids"] == (torch.Size([2]), torch.int64)
+
+
+def test_a_dataclass_batch_is_split_like_a_tuple(strategy):
+  # A dataclass is a nest in a batch as in a step's result (xladist/_nest.py):
+  # its tensor fields are split over the replicas, a plain field passes whole.
+  x, y = features(16), torch.arange(16)
+  as_tuples = list(strategy.experimental_distribute_dataset([(x[:8], y[:8]), (x[8:], y[8:])]))
+  dist = strategy.experimental_distribute_dataset([Batch(x[:8], y[:8]), Batch(x[8:], y[8:])])
+  elements = list(dist)
+  assert len(elements) == 2
+  for element, (tx, ty) in zip(elements, as_tuples):
+    assert isinstance(element, Batch) and element.tag == "train"
+    assert isinstance(element.x, xd.PerReplica) and isinstance(element.y, xd.PerReplica)
+    np.testing.assert_array_equal(replica_rows(strategy, element.x), replica_rows(strategy, tx))
+    np.testing.assert_array_equal(replica_rows(strategy, element.y), replica_rows(strategy, ty))
+  assert dist.element_spec == Batch(
+    (torch.Size([2, 3]), torch.float32), (torch.Size([2]), torch.int64), str
+  )
+  out = strategy.run(lambda b: b.x.sum(1) + b.y, args=(elements[0],))
+  expected = (x[:8].sum(1) + y[:8]).reshape(4, 2)
+  np.testing.assert_array_equal(replica_rows(strategy, out).numpy(), expected.numpy())
+
+  def dataset_fn(ctx):
+    b = ctx.get_per_replica_batch_size(8)
+    i = ctx.input_pipeline_id
+    return [Batch(x[i * b : (i + 1) * b], y[i * b : (i + 1) * b])]
+
+  options = xd.InputOptions(experimental_replication_mode=xd.InputReplicationMode.PER_REPLICA)
+  (element,) = list(strategy.distribute_datasets_from_function(dataset_fn, options))
+  assert isinstance(element, Batch)
+  first_x = replica_rows(strategy, as_tuples[0][0])
+  np.testing.assert_array_equal(replica_rows(strategy, element.x), first_x)
 
 
 def test_get_next_as_optional_and_the_end_of_an_epoch(strategy):

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 import xladist as xd
-from xladist import _runtime
 from xladist.nn import compute_average_loss, scale_regularization_loss
+from xladist.runtime import xla as _runtime
 
 N = 4
 STEPS = 6

@@ -20,9 +20,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import xladist as xd
 import xladist.checkpoint as xc
-from xladist import _multihost, _runtime
 from xladist import cluster_resolver as cr
+from xladist.cluster_resolver import _multihost
 from xladist.input import sharding
+from xladist.runtime import xla as _runtime
 from xladist.strategies.multi_worker import MultiWorkerExtended
 
 API = "MultiWorkerMirroredStrategy"
@@ -549,7 +550,7 @@ def test_single_worker_input_is_the_single_host_path(mwms):
 def test_each_host_builds_and_reads_only_its_own_replicas_values(monkeypatch):
   """TF's meanings of experimental_distribute_values_from_function and
   experimental_local_results on several hosts (host 1 of 2, simulated)."""
-  from xladist import _runtime
+  from xladist.runtime import xla as _runtime
 
   s = simulated_host(resolver({"worker": ["a:1", "b:1"]}, task_id=1))
   placed = []
@@ -579,7 +580,7 @@ def test_each_host_builds_and_reads_only_its_own_replicas_values(monkeypatch):
 
 
 def test_local_components_with_two_devices_per_replica():
-  from xladist import _multihost
+  from xladist.cluster_resolver import _multihost
 
   da = xd.experimental.DeviceAssignment.build(computation_shape=[2], num_replicas=2)
   t = xd.TPUStrategy(experimental_device_assignment=da)
@@ -601,7 +602,7 @@ def test_host_waits_are_bounded_on_several_hosts(monkeypatch, tmp_path):
   most the strategy's timeout on a cluster, and without a bound on one host."""
   import time
 
-  from xladist import _runtime
+  from xladist.runtime import xla as _runtime
 
   t = torch.arange(4.0).to(_runtime.device()) * 3  # pending: its program has not run
   assert _multihost.host_timeout() is None  # one host
@@ -634,7 +635,7 @@ def test_preemption_on_one_host_makes_every_host_save_at_the_same_step(
   exit at the agreement step, not before."""
   import signal
 
-  from xladist import _runtime
+  from xladist.runtime import xla as _runtime
 
   s = simulated_host(resolver({"worker": ["a:1", "b:1"]}, task_id=1))
   monkeypatch.setattr(_multihost, "_process_cluster", s.extended._cluster)

@@ -26,7 +26,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import xladist as xd
 import xladist.checkpoint as xc
-from xladist import _replay, _runtime
+from xladist._step import replay as _replay
+from xladist.runtime import xla as _runtime
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -59,7 +60,7 @@ def _reset_seeds(seed=0):
 
 
 def _replayer(strategy):
-  return strategy.extended.__dict__["_replayer"]
+  return strategy.extended._engine._replayer
 
 
 def _host(value):

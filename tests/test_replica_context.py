@@ -10,7 +10,7 @@ import torch
 from conftest import local_values
 
 import xladist as xd
-from xladist import _runtime
+from xladist.runtime import xla as _runtime
 
 
 @dataclasses.dataclass

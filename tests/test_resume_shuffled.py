@@ -137,7 +137,17 @@ def test_persistent_workers_are_refused_when_saved(strategy, tmp_path):
   loader = _loader(num_workers=1, persistent_workers=True)
   it = iter(strategy.experimental_distribute_dataset(loader))
   try:
-    with pytest.raises(ValueError, match=r"persistent_workers=True.*persistent_workers=False"):
+    with pytest.raises(
+      ValueError,
+      match=r"DistributedIterator.state_dict: the iterator reads dataset, a DataLoader with "
+      r"persistent_workers=True.*persistent_workers=False",
+    ):
+      it.state_dict()
+    with pytest.raises(
+      ValueError,
+      match=r"checkpoint.save: 'iterator' cannot be saved\. .*persistent_workers=True.*"
+      r"persistent_workers=False",
+    ):
       xc.Checkpoint(iterator=it).save(str(tmp_path / "ckpt"))
     assert not os.path.exists(tmp_path / "ckpt")
   finally:
@@ -164,7 +174,7 @@ def test_an_unshuffled_loader_has_no_generator_to_restore(strategy):
   loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(8, 1)), 4)
   it = iter(strategy.experimental_distribute_dataset(loader))
   try:
-    state = it._checkpoint_state("test", "it")
+    state = it.state_dict()
     assert state["order"]["generators"] == {} and state["order"]["epochs"] == {}
     assert state["position"] == 0 and state["num_replicas"] == 4
   finally:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from xladist import _runtime
+from xladist.runtime import xla as _runtime
 
 
 def _loader(steps, n=4, b=3):

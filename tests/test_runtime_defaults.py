@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from xladist import _runtime
+from xladist.runtime import xla as _runtime
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Printed by XLA at every compilation of a program with shardings, at log level <= 1.
@@ -32,7 +32,7 @@ _CHILD = textwrap.dedent(
     import torch_xla  # as the README's example does, before xladist
   import torch
   import xladist as xd
-  from xladist import _runtime
+  from xladist.runtime import xla as _runtime
   import torch_xla.debug.metrics as met
 
   strategy = xd.MirroredStrategy()

@@ -20,7 +20,7 @@ import warnings
 
 import pytest
 
-from xladist import _runtime
+from xladist.runtime import xla as _runtime
 
 GOOGLE = "0x1ae0"
 GVNIC = "0x0042"

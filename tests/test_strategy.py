@@ -9,7 +9,7 @@ import torch
 from conftest import local_values
 
 import xladist as xd
-from xladist import _runtime
+from xladist.runtime import xla as _runtime
 
 Point = collections.namedtuple("Point", "x y")
 VALS = np.arange(24, dtype=np.float32).reshape(4, 2, 3) - 7.0  # replica r holds VALS[r]

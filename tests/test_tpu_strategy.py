@@ -11,7 +11,7 @@ import torch
 
 import xladist as xd
 from tests import _models
-from xladist import _runtime
+from xladist.runtime import xla as _runtime
 
 B = 4  # examples per replica
 
@@ -221,7 +221,7 @@ def test_distributed_dataset_feeds_each_replica_on_all_its_cores(tpu22):
 
 def test_pod_host_logic_with_logical_devices():
   """A simulated v4-16-like pod: 2 hosts x 4 devices, 4 replicas of 2 cores each."""
-  from xladist import _multihost
+  from xladist.cluster_resolver import _multihost
 
   # Host 1 feeds replicas 2 and 3, i.e. devices 4..7; each replica's row goes
   # to both of its cores, in the runtime's (here shuffled) device order.

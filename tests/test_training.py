@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import xladist as xd
-from xladist import _runtime
+from xladist.runtime import xla as _runtime
 
 
 @pytest.mark.parametrize("kind", ["mlp", "cnn"])
@@ -129,7 +129,7 @@ def test_parameters_are_identical_on_every_replica(strategy):
 
 
 def test_optimizer_over_parameters_made_outside_scope_is_rejected(strategy):
-  import xladist._runtime as rt
+  import xladist.runtime.xla as rt
 
   w = torch.nn.Parameter(torch.ones(3, device=rt.device()))
   opt = torch.optim.SGD([w], lr=0.1)

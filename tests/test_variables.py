@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from conftest import local_values
 
 import xladist as xd
-from xladist import _runtime
+from xladist.runtime import xla as _runtime
 
 VS, VA = xd.VariableSynchronization, xd.VariableAggregation
 

@@ -36,7 +36,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import xladist as xd
-from xladist import _runtime
+from xladist.runtime import xla as _runtime
 
 N = 4
 VS, VA = xd.VariableSynchronization, xd.VariableAggregation

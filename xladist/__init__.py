@@ -49,6 +49,7 @@ Typical use::
 """
 
 from xladist import checkpoint, cluster_resolver, coordinator, experimental, nn
+from xladist._ps.server import Server
 from xladist.context import (
   current_device,
   current_strategy,
@@ -72,7 +73,6 @@ from xladist.input.options import InputContext, InputOptions, InputReplicationMo
 from xladist.reduce_util import MeanReduction, ReduceOp, SumReduction
 from xladist.replica_context import ReplicaContext, TowerContext
 from xladist.run_options import RunOptions
-from xladist.server import Server
 from xladist.strategies import default as _default  # noqa: F401 (sets up the default strategy)
 from xladist.strategies.mirrored import MirroredStrategy
 from xladist.strategies.multi_worker import MultiWorkerMirroredStrategy

@@ -8,7 +8,7 @@ collective.
 
 import torch
 
-from xladist import _runtime
+from xladist import runtime as _runtime
 from xladist.reduce_util import ReduceOp
 from xladist.values import DistributedValues, Mirrored, PerReplica, as_components, check_components
 from xladist.variable_store import copies_of

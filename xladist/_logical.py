@@ -41,7 +41,7 @@ import optree
 import torch
 import torch.nn.functional as F
 
-from xladist import _runtime
+from xladist import runtime as _runtime
 
 _aten = torch.ops.aten
 

@@ -20,7 +20,7 @@ all-reduce of the gradients), and so is all_gather.
 
 import torch
 
-from xladist import _runtime
+from xladist import runtime as _runtime
 from xladist.reduce_util import ReduceOp
 
 _HLO_OP = {ReduceOp.SUM: "sum", ReduceOp.MEAN: "sum", ReduceOp.MIN: "min", ReduceOp.MAX: "max"}

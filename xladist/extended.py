@@ -4,12 +4,13 @@ Public methods check the context and their arguments, then call one underscore
 hook; each strategy overrides hooks only.
 """
 
+import abc
 import contextlib
 
 import torch
 
-from xladist import _multihost, _runtime, context
-from xladist._compile_watch import CompileWatch
+from xladist import context
+from xladist import runtime as _runtime
 from xladist._global_view import (
   as_value,
   check_device_name,
@@ -20,18 +21,14 @@ from xladist._global_view import (
 )
 from xladist._global_view import check_destinations as _check_destinations
 from xladist._global_view import concat_stacked as _concat_stacked
+from xladist._nest import flatten, unflatten
+from xladist._step.compile_watch import CompileWatch
+from xladist.cluster_resolver import _multihost
 from xladist.communication_options import check_options
 from xladist.input import dataset as input_dataset
 from xladist.input.options import InputContext, InputReplicationMode
 from xladist.reduce_util import ReduceOp, as_reduce_op
-from xladist.values import (
-  DistributedValues,
-  Mirrored,
-  PerReplica,
-  as_components,
-  flatten,
-  unflatten,
-)
+from xladist.values import DistributedValues, Mirrored, PerReplica, as_components
 from xladist.variable_store import copies_of
 
 
@@ -53,7 +50,7 @@ def _require_cross_replica(strategy, api, fix):
     )
 
 
-class StrategyExtended:
+class StrategyExtended(abc.ABC):
   """The advanced API of a strategy; `strategy.extended`."""
 
   _device_names = ("cpu",)
@@ -522,10 +519,10 @@ class StrategyExtended:
     return (tensor,) * self._num_replicas_in_sync
 
   def _enter_scope(self):
-    pass
+    return None  # a hook: strategies with a variable store enter it
 
   def _exit_scope(self):
-    pass
+    return None
 
   def _current_device(self):
     return torch.device("cpu")
@@ -560,8 +557,9 @@ class StrategyExtended:
       return [self._broadcast(t[0]) for t in tensors]
     return [PerReplica(tuple(t.unbind(0))) for t in tensors]
 
-  def _call_for_each_replica(self, fn, args, kwargs):
-    raise NotImplementedError  # every strategy overrides it
+  @abc.abstractmethod
+  def _call_for_each_replica(self, fn, args, kwargs, options=None):
+    """Runs `fn` once per replica (`strategy.run`; `options`: its RunOptions)."""
 
   def _reduce(self, reduce_op, value, axis, options=None):
     """The reduced value of `value` in the global view (no region active)."""

@@ -4,11 +4,7 @@ import torch
 
 from xladist import context
 from xladist._global_view import concat_stacked as _concat_stacked
-from xladist.communication_options import check_options
-from xladist.reduce_util import as_reduce_op
-from xladist.values import (
-  DistributedValues,
-  PerReplica,
+from xladist._nest import (
   error_at,
   flatten_with_path,
   leaf_name,
@@ -16,6 +12,9 @@ from xladist.values import (
   tree_map_with_path,
   unflatten,
 )
+from xladist.communication_options import check_options
+from xladist.reduce_util import as_reduce_op
+from xladist.values import DistributedValues, PerReplica
 
 
 class ReplicaContext:

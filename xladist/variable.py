@@ -18,7 +18,8 @@ import copy
 import torch
 from torch.optim import optimizer as torch_optimizer
 
-from xladist import _runtime, context
+from xladist import context
+from xladist import runtime as _runtime
 from xladist.variable_policy import (
   Policy,
   VariableAggregation,

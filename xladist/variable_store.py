@@ -29,7 +29,8 @@ import weakref
 import torch
 from torch.nn.modules import module as torch_module
 
-from xladist import _runtime, collectives
+from xladist import collectives
+from xladist import runtime as _runtime
 from xladist import variable_policy as policies
 from xladist.reduce_util import ReduceOp
 

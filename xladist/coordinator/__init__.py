@@ -9,7 +9,7 @@
   unreachable task raise.
 """
 
-from xladist._rpc import RemoteTraceback, TaskUnavailableError
+from xladist._ps.rpc import RemoteTraceback, TaskUnavailableError
 from xladist.coordinator.cluster_coordinator import ClusterCoordinator
 from xladist.coordinator.values import (
   CancelledError,

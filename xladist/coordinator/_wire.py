@@ -4,7 +4,7 @@ They are pickled on the chief (standard pickle: functions by reference, so a
 scheduled function must be importable on the workers) with persistent ids for
 what must not be copied: ps variables (by their VarInfo), the strategy, the
 optimizers of ps variables (by a spec from which the worker makes a
-`RemoteOptimizer`), per-worker values (by id). `xladist/_ps_worker.py`
+`RemoteOptimizer`), per-worker values (by id). `xladist/coordinator/_worker.py`
 resolves them on the worker.
 """
 

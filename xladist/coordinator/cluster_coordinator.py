@@ -3,7 +3,7 @@
 As TF's coordinator: `schedule` puts a closure (the function and its
 arguments, pickled once) in a queue and returns a `RemoteValue`; one thread
 per worker takes closures from the queue and runs each on its worker with
-one remote call (`_ps_worker.run_closure`), so every worker has at most one
+one remote call (`_worker.run_closure`), so every worker has at most one
 closure in flight. `join()` waits until the queue is empty and nothing is in
 flight.
 
@@ -27,8 +27,10 @@ import collections
 import threading
 import time
 
-from xladist import _ps_worker, _rpc, server
-from xladist.coordinator import _wire
+from xladist._nest import flatten, unflatten
+from xladist._ps import rpc as _rpc
+from xladist._ps import server
+from xladist.coordinator import _wire, _worker
 from xladist.coordinator.values import (
   CancelledError,
   PerWorkerDataset,
@@ -38,7 +40,6 @@ from xladist.coordinator.values import (
   RemoteValueImpl,
 )
 from xladist.strategies import parameter_server as ps
-from xladist.values import flatten, unflatten
 
 _PROBE_SECONDS = 1.0
 
@@ -180,7 +181,7 @@ class _WorkerThread:
       try:
         result = _rpc.call(
           self.task,
-          _ps_worker.run_closure,
+          _worker.run_closure,
           (closure.payload, c._timeout),
           timeout=c._closure_timeout,
           what=f"running {closure.description}",
@@ -358,7 +359,7 @@ class ClusterCoordinator:
         "ClusterCoordinator.create_per_worker_dataset: expected a function returning "
         f"a dataset, got {type(dataset_fn).__name__}."
       )
-    values = self._create_per_worker(_ps_worker.make_dataset, (dataset_fn,), {}, "a dataset")
+    values = self._create_per_worker(_worker.make_dataset, (dataset_fn,), {}, "a dataset")
     return PerWorkerDataset(self, values)
 
   def per_worker_values(self, fn, args=(), kwargs=None):
@@ -377,7 +378,7 @@ class ClusterCoordinator:
 
   def _make_iterators(self, dataset):
     return self._create_per_worker(
-      _ps_worker.make_iterator, (dataset,), {}, "an iterator", PerWorkerIterator
+      _worker.make_iterator, (dataset,), {}, "an iterator", PerWorkerIterator
     )
 
   def _create_per_worker(self, fn, args, kwargs, what, kind=PerWorkerValues):
@@ -403,7 +404,7 @@ class ClusterCoordinator:
             rv,
             _rpc.call_async(
               w.task,
-              _ps_worker.create_resource,
+              _worker.create_resource,
               (resource_id, payload, self._timeout),
               self._closure_timeout,
             ),
@@ -433,7 +434,7 @@ class ClusterCoordinator:
       for w in self._workers:
         if w.alive:
           try:
-            _rpc.call_async(w.task, _ps_worker.delete_resource, (resource_id,), self._timeout)
+            _rpc.call_async(w.task, _worker.delete_resource, (resource_id,), self._timeout)
           except _rpc.TaskUnavailableError:
             pass
 

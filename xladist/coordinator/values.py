@@ -5,7 +5,7 @@ import threading
 
 import torch
 
-from xladist.values import flatten, unflatten
+from xladist._nest import flatten, unflatten
 
 
 class CancelledError(RuntimeError):

@@ -25,13 +25,13 @@ smaller than the first one is padded, dropped or refused according to
 import functools
 
 import numpy as np
-import optree
 import torch
 
+from xladist import _nest
 from xladist.input import order, prefetch
 from xladist.input.options import InputReplicationMode
 from xladist.input.sharding import host_replica_ids
-from xladist.values import DistributedValues, PerReplica
+from xladist.values import PerReplica
 
 _NOTHING = object()
 
@@ -53,7 +53,9 @@ def check_dataset(dataset, api, what="dataset"):
 
 
 def _flatten(batch):
-  leaves, spec = optree.tree_flatten(batch, none_is_leaf=True)
+  """A batch's leaves (numpy arrays as tensors) and spec: xladist's nests, so a
+  dataclass batch is split by its fields as a step's dataclass result is."""
+  leaves, spec = _nest.flatten(batch)
   return [torch.from_numpy(x) if isinstance(x, np.ndarray) else x for x in leaves], spec
 
 
@@ -171,7 +173,7 @@ class _Builder:
     if mask is not None:
       tensors.append(mask)
     placed = iter(self.place(tensors))
-    out = optree.tree_unflatten(
+    out = _nest.unflatten(
       spec, [next(placed) if isinstance(x, torch.Tensor) else x for x in leaves]
     )
     if mask is not None:
@@ -512,10 +514,8 @@ def _leaf_spec(leaf):
 
 
 def _element_spec(element):
-  leaves, spec = optree.tree_flatten(
-    element, is_leaf=lambda x: isinstance(x, DistributedValues), none_is_leaf=True
-  )
-  return optree.tree_unflatten(spec, [_leaf_spec(x) for x in leaves])
+  leaves, spec = _nest.flatten(element)
+  return _nest.unflatten(spec, [_leaf_spec(x) for x in leaves])
 
 
 class DistributedDataset:
@@ -698,9 +698,40 @@ class DistributedIterator:
         ) from None
     return self._spec
 
-  def _checkpoint_state(self, api, name):
-    """What a checkpoint keeps of this iterator (see checkpoint.py)."""
-    order.check_checkpointable(self._sources, api, name)
+  def state_dict(self):
+    """This iterator's place in its epoch, for a checkpoint (TF checkpoints an
+    iterator's position the same way; `xladist.checkpoint.Checkpoint` saves it).
+
+    Returns:
+      A dict of plain values and CPU tensors (what `torch.save` with
+      `weights_only=True` reads back):
+
+      * "position": int, the elements `next()` returned in this epoch
+        (elements only prefetched are not counted);
+      * "num_replicas": int, the replicas in sync of the strategy that
+        distributed the dataset;
+      * "global_batches": bool, True for `experimental_distribute_dataset`
+        (an element is one batch of the dataset, whatever the replica count),
+        False for `distribute_datasets_from_function` (an element is one
+        per-replica batch for each replica);
+      * "order": what this epoch's order was drawn from, taken when the epoch
+        started (see xladist/input/order.py): {"host": the states of torch's,
+        Python's and numpy's global generators, "generators": {path: (kind,
+        state)} of the generators found on the dataset, its samplers and
+        their datasets, "epochs": {path: epoch} of samplers with
+        `set_epoch`}.
+
+    Raises:
+      ValueError: the dataset is a DataLoader with `persistent_workers=True`
+        (its workers' random state outlives the epoch, so no state can replay
+        its data).
+    """
+    order.check_checkpointable(self._sources, "DistributedIterator.state_dict")
+    return self._state()
+
+  def _state(self):
+    """`state_dict()` without the persistent-workers refusal: what a restore's
+    undo puts back (xladist/checkpoint/objects.py)."""
     return {
       "position": self._position,
       "num_replicas": self._layout.num_replicas,
@@ -708,19 +739,101 @@ class DistributedIterator:
       "order": self._order,
     }
 
-  def _restart_at(self, position, order_state=None, api="DistributedIterator"):
-    """Restarts the epoch so that the next element is element `position` (from 0).
+  def load_state_dict(self, state):
+    """Restarts this iterator at the place `state` holds.
 
-    Used to restore a checkpoint. With `order_state` (what `order.capture`
-    took when the saved epoch started) the dataset's random sources are put
-    back first, so the epoch is drawn in the same order. The dataset is
-    iterated again from its start and its first `position` elements are read
-    and checked but neither built nor transferred to the devices; elements
-    this iterator had prefetched are discarded. `_position` counts the
-    elements `next()` returned in this epoch, never the ones only prefetched.
+    `state` is what `state_dict()` returned, possibly in another process, for
+    an iterator of the same dataset (typically a fresh `iter(dist_dataset)`).
+    The dataset's random sources are put back as they were when the saved
+    epoch started (so a shuffled epoch is drawn in the same order), the
+    dataset is iterated again from its start, and its first "position"
+    elements are read and checked but neither built nor transferred to the
+    devices; elements this iterator had prefetched are discarded. The next
+    `get_next()` returns the element that followed the saved position.
+
+    It leaves torch's, Python's and numpy's global generators as the epoch's
+    `iter()` left them, replayed from their saved state at the start of the
+    epoch; `xladist.checkpoint` then puts them back to their state at the save.
+    A state without "order" (a checkpoint of an older release) draws the order
+    anew. Nothing changes when `state` does not fit this iterator.
+
+    Example::
+
+      state = it.state_dict()            # after 3 steps of the epoch
+      ...
+      it = iter(dist_dataset)            # in a new process
+      it.load_state_dict(state)          # next(it) is the epoch's 4th element
+
+    Raises:
+      TypeError: `state` is not a dict.
+      ValueError: `state` lacks a key or has a bad position; it was saved from
+        an iterator of the other kind of dataset, or of
+        `distribute_datasets_from_function` with another replica count; the
+        dataset now has fewer elements than the position (found now when the
+        dataset has a length, else by the `next()` that reaches its end); its
+        order came from a random source this dataset does not have.
     """
-    if order_state is not None:
-      order.check(self._sources, order_state, api)
+    self._check_state(state, "DistributedIterator.load_state_dict: the state")
+    self._restart_at(state["position"], state.get("order"))
+
+  def _check_state(self, state, where):
+    """Raises TypeError or ValueError, starting with `where`, unless `state` (a
+    `state_dict()`; from a sharded checkpoint's manifest, its tensors are meta
+    tensors) fits this iterator. Changes nothing."""
+    if not isinstance(state, dict):
+      raise TypeError(
+        f"{where} is a {type(state).__name__}, not the dict that "
+        "DistributedIterator.state_dict() returns; pass that dict."
+      )
+    missing = sorted({"position", "num_replicas", "global_batches"} - set(state))
+    if missing:
+      raise ValueError(
+        f"{where} lacks the keys {missing} of an iterator state (position, "
+        "num_replicas, global_batches, order); pass the dict that "
+        "DistributedIterator.state_dict() returned."
+      )
+    position = state["position"]
+    if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+      raise ValueError(
+        f"{where} has the position {position!r}; a position is a non-negative int "
+        "(the elements next() returned in the epoch)."
+      )
+    if "order" in state:
+      order.check(self._sources, state["order"], where)
+    layout = self._layout
+    if layout.max_elements is not None and position > layout.max_elements:
+      raise ValueError(
+        f"{where} is the iterator position {position} (elements already "
+        f"taken in its epoch), but the dataset has at most {layout.max_elements} "
+        "elements in an epoch now: it is shorter than when the checkpoint was "
+        "saved. Restore with the dataset the checkpoint was made with."
+      )
+    if not state["global_batches"] and state["num_replicas"] != layout.num_replicas:
+      raise ValueError(
+        f"{where} is the position of a distribute_datasets_from_function iterator "
+        f"with {state['num_replicas']} replicas, restored into one with "
+        f"{layout.num_replicas}; its elements are per-replica batches, so the "
+        "position means other data with another replica count. Restore with "
+        f"{state['num_replicas']} replicas, or use experimental_distribute_dataset "
+        "(positions in global batches)."
+      )
+    if layout.global_batches != state["global_batches"]:
+      kinds = {True: "experimental_distribute_dataset", False: "distribute_datasets_from_function"}
+      raise ValueError(
+        f"{where} is the position of an {kinds[state['global_batches']]} iterator, "
+        f"restored into an {kinds[layout.global_batches]} one; restore into an "
+        "iterator of the same kind of dataset."
+      )
+
+  def _restart_at(self, position, order_state=None):
+    """Restarts the epoch so that the next element is element `position` (from 0)
+    (`load_state_dict`, after `_check_state`).
+
+    With `order_state` (what `order.capture` took when the saved epoch started)
+    the dataset's random sources are put back first, so the epoch is drawn in
+    the same order. `_position` counts the elements `next()` returned in this
+    epoch, never the ones only prefetched.
+    """
     self._prefetcher.close()  # its thread may be drawing from the same generators
     if order_state is not None:
       order.apply(self._sources, order_state)

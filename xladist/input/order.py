@@ -173,7 +173,7 @@ def apply(datasets, state):
     found[path].set_epoch(epoch)
 
 
-def check_checkpointable(datasets, api, name):
+def check_checkpointable(datasets, api):
   """Raises ValueError for a pipeline whose order or data a restore cannot replay."""
   for path, obj in _sources(datasets).items():
     if (
@@ -182,7 +182,7 @@ def check_checkpointable(datasets, api, name):
       and obj.num_workers > 0
     ):
       raise ValueError(
-        f"{api}: {name!r} iterates {path}, a DataLoader with persistent_workers=True: "
+        f"{api}: the iterator reads {path}, a DataLoader with persistent_workers=True: "
         "its worker processes keep their random state from epoch to epoch, which a "
         "checkpoint cannot hold, so a resumed run would not see the same data. Make "
         "the DataLoader with persistent_workers=False (its workers are then seeded "

@@ -31,9 +31,9 @@ one `InputContext` per pipeline of this host (`input_contexts`):
 """
 
 import numpy as np
-import optree
 import torch
 
+from xladist import _nest
 from xladist.input.options import InputContext
 
 
@@ -118,7 +118,7 @@ def _batch_size(leaves):
 
 
 def host_batch(global_batch, num_hosts, host_index, num_replicas):
-  """This host's rows of one global batch (any nesting of tensors / arrays).
+  """This host's rows of one global batch (any nest of tensors / arrays, dataclasses too).
 
   Non-tensor leaves (strings, ints) are kept whole.
 
@@ -126,9 +126,9 @@ def host_batch(global_batch, num_hosts, host_index, num_replicas):
     TypeError, ValueError: as `host_row_range`, or the batch's tensors have no
       common batch size.
   """
-  leaves, spec = optree.tree_flatten(global_batch, none_is_leaf=True)
+  leaves, spec = _nest.flatten(global_batch)
   start, stop = host_row_range(_batch_size(leaves), num_hosts, host_index, num_replicas)
-  return optree.tree_unflatten(spec, [_rows(leaf, start, stop) for leaf in leaves])
+  return _nest.unflatten(spec, [_rows(leaf, start, stop) for leaf in leaves])
 
 
 class HostShardedDataset:

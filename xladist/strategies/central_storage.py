@@ -23,8 +23,10 @@ MirroredStrategy.
 
 import torch
 
-from xladist import _runtime, context
+from xladist import context
+from xladist import runtime as _runtime
 from xladist import variable_policy as policies
+from xladist._step.engine import StepEngine
 from xladist.communication_options import CommunicationOptions
 from xladist.extended import _variable_tensor
 from xladist.strategies.mirrored import SPMDExtended, _check_devices
@@ -62,10 +64,56 @@ def _host_stamp(t):
   return (t._version, t.data_ptr())
 
 
+class _CentralStorageEngine(StepEngine):
+  """The step engine with central storage's work around each traced step:
+  gradients no optimizer consumed are reduced at the end of the step, and
+  optimizer.step() only reduces the gradients (the update runs on the host
+  after the program, `CentralStorageExtended._to_host`)."""
+
+  def replay_gap(self):
+    return "CentralStorageExtended does its own work around each step's trace"
+
+  def trace(self, fn, args, kwargs, region, made):
+    ext = self._ext
+
+    def step(*a, **k):
+      out = fn(*a, **k)
+      ext._reduce_leftover_gradients(region)
+      return out
+
+    out = super().trace(step, args, kwargs, region, made)
+    # The reduced gradients leave the region as replicated global tensors
+    # before the step's local tensors are invalidated.
+    ext._updates = [
+      (optimizer, [(p, region.global_replicated(g)) for p, g in pairs])
+      for optimizer, pairs in ext._updates
+    ]
+    return out
+
+  def before_optimizer_step(self, ctx, optimizer):
+    """optimizer.step() in a replica context: reduce the gradients across
+    replicas (as MirroredStrategy) and keep them for the host update; the
+    optimizer sees no gradient inside the step, so it changes nothing there."""
+    step = self.region.step
+    params = self._optimizer_params(
+      optimizer, "its parameters live in the strategy's central storage"
+    )
+    self.aggregate_gradients(ctx, params, "optimizer.step()")
+    grads = [p.grad for p in params]
+    step.stepped.update(id(p) for p in params)
+    self._ext._updates.append((optimizer, list(zip(params, grads))))
+    for p in params:
+      p.grad = None
+
+  def after_optimizer_step(self, optimizer):
+    return None
+
+
 class CentralStorageExtended(SPMDExtended):
   """SPMDExtended whose variables and optimizer state stay on the host between steps."""
 
   _mirrors_variables = False  # one copy of each variable (TF: not a MirroredVariable)
+  _engine_class = _CentralStorageEngine
 
   def __init__(self, strategy, communication_options=None):
     super().__init__(strategy, None, communication_options)
@@ -115,14 +163,14 @@ class CentralStorageExtended(SPMDExtended):
       host.stamp = _host_stamp(t)
 
   # -- run ---------------------------------------------------------------------------------
-  def _call_for_each_replica(self, fn, args, kwargs):
+  def _call_for_each_replica(self, fn, args, kwargs, options=None):
     if self._region is not None:
       return super()._call_for_each_replica(fn, args, kwargs)
     self._store.place_pending()
     twins = self._to_devices()
     self._updates = []
     try:
-      out = super()._call_for_each_replica(fn, args, kwargs)
+      out = super()._call_for_each_replica(fn, args, kwargs, options)
     except BaseException:
       self._updates = []
       self._back_unchanged(twins)
@@ -187,21 +235,6 @@ class CentralStorageExtended(SPMDExtended):
       t.__dict__.clear()
       t.__dict__.update(attrs)
 
-  def _trace(self, fn, args, kwargs, region, made):
-    def step(*a, **k):
-      out = fn(*a, **k)
-      self._reduce_leftover_gradients(region)
-      return out
-
-    out = super()._trace(step, args, kwargs, region, made)
-    # The reduced gradients leave the region as replicated global tensors
-    # before the step's local tensors are invalidated.
-    self._updates = [
-      (optimizer, [(p, region.global_replicated(g)) for p, g in pairs])
-      for optimizer, pairs in self._updates
-    ]
-    return out
-
   def _reduce_leftover_gradients(self, region):
     """Gradients no optimizer consumed (accumulation over several runs) are
     reduced to the one copy at the end of the step, with the strategy's
@@ -237,7 +270,7 @@ class CentralStorageExtended(SPMDExtended):
       fetch.extend(s for s in slots if s is not None)
     grads = [g for _, pairs in updates for _, g in pairs]
     _runtime.sync()
-    values = iter(_runtime._xlac()._xla_get_cpu_tensors(fetch + grads)) if fetch or grads else None
+    values = iter(_runtime.to_host(fetch + grads)) if fetch or grads else None
     for t, x, present in apply:
       value, grad, stacked = (next(values) if p else None for p in present)
       attrs = {k: v for k, v in t.__dict__.items() if k != "_xladist_replicas"}
@@ -268,35 +301,6 @@ class CentralStorageExtended(SPMDExtended):
         for p in group["params"]:
           p.grad = None if id(p) in stepped else kept[id(p)]
 
-  # -- the optimizer in the step: reduce the gradients, defer the update --------------
-  def _before_step(self, optimizer, args, kwargs):
-    """optimizer.step() in a replica context: reduce the gradients across
-    replicas (as MirroredStrategy) and keep them for the host update; the
-    optimizer sees no gradient inside the step, so it changes nothing there."""
-    region = self._region
-    ctx = context.get_replica_context()
-    if region is None or ctx is None or ctx.strategy is not self._strategy_ref:
-      return
-    step = region.step
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    foreign = [tuple(p.shape) for p in params if not step.is_variable(p)]
-    if foreign:
-      raise RuntimeError(
-        f"optimizer.step() in strategy.run: {len(foreign)} of the optimizer's "
-        f"parameters (shapes {foreign[:3]}...) are not variables of "
-        f"{self._strategy_ref!r}. Create the model under strategy.scope() so that "
-        "its parameters live in the strategy's central storage."
-      )
-    self._aggregate_gradients(ctx, params, "optimizer.step()")
-    grads = [p.grad for p in params]
-    step.stepped.update(id(p) for p in params)
-    self._updates.append((optimizer, list(zip(params, grads))))
-    for p in params:
-      p.grad = None
-
-  def _after_step(self, optimizer, args, kwargs):
-    return None
-
   def read_var(self, var):
     """The value of `var` in cross-replica context (a host tensor): the one
     copy, or a sync-on-read variable's aggregate."""
@@ -308,14 +312,7 @@ class CentralStorageExtended(SPMDExtended):
     return super().read_var(var)
 
 
-def _replicate_many(tensors):
-  """Host tensors -> XLA tensors replicated on every device, in one transfer call."""
-  import torch_xla.distributed.spmd as xs
-
-  mesh = _runtime.mesh()
-  ts = [t.detach().contiguous() for t in tensors]
-  specs = [xs.ShardingSpec(mesh, (None,) * t.dim()).xla_spec(t) for t in ts]
-  return _runtime._xlac()._xla_tensors_from_aten(ts, [str(_runtime.device())] * len(ts), specs)
+_replicate_many = _runtime.replicate_many
 
 
 class CentralStorageStrategy(Strategy):

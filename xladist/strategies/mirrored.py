@@ -1,29 +1,17 @@
 """MirroredStrategy: one replica per local XLA device, synchronous, one SPMD program."""
 
-import sys
-import traceback
-
 import torch
-from torch.optim import optimizer as torch_optimizer
 
-from xladist import (
-  _grad_clip,
-  _replay,
-  _runtime,
-  _xm_in_step,
-  context,
-)
+from xladist import runtime as _runtime
 from xladist._global_view import check_axis as _check_axis
 from xladist._global_view import concat_stacked as _concat_stacked
-from xladist._region import HOST_READ_MESSAGE, Region
-from xladist._step_tensors import StepTensors, describe_fn
+from xladist._step.engine import StepEngine
 from xladist.communication_options import CommunicationOptions
 from xladist.cross_device_ops import check_cross_device_ops
 from xladist.extended import StrategyExtended
 from xladist.reduce_util import ReduceOp
-from xladist.replica_context import ReplicaContext
 from xladist.strategy import Strategy
-from xladist.values import PerReplica, flatten, reduce_by_form, tree_map, unflatten
+from xladist.values import PerReplica, reduce_by_form
 from xladist.variable_store import VariableStore, copies_of
 
 
@@ -31,6 +19,7 @@ class SPMDExtended(StrategyExtended):
   """Replicas are coordinates of a mesh's replica axis; `run` is one manual region."""
 
   _mirrors_variables = True
+  _engine_class = StepEngine  # runs each step; a strategy with more to do declares its own
 
   def __init__(
     self, strategy, cross_device_ops=None, communication_options=None, cores_per_replica=1
@@ -45,7 +34,7 @@ class SPMDExtended(StrategyExtended):
     # must be devices a tensor can be put on (see StrategyExtended.worker_devices).
     self._device_names = (str(_runtime.device()),) * (n // cores_per_replica)
     self._store = VariableStore(_place_variable, len(self._device_names))
-    self._region = None
+    self._engine = self._engine_class(self)
     self._iota = None
     self._device_iota_global = None
 
@@ -97,108 +86,20 @@ class SPMDExtended(StrategyExtended):
       )
     return self._device_iota_global
 
-  # -- run ------------------------------------------------------------------------------
-  def _call_for_each_replica(self, fn, args, kwargs):
-    if self._region is not None:
-      return self._call_in_merge(fn, args, kwargs)
-    strategy = self._strategy_ref
-    store = self._store
-    _grad_clip.ensure_installed()
-    placed = bool(store._pending)
-    store.place_pending()
-    _runtime.follow_torch_seed()
-    # Replay (xladist/_replay.py): once the step's program is known, run it
-    # without tracing fn; otherwise trace, and capture the traced program.
-    replayer = self.__dict__.get("_replayer")
-    if replayer is None:
-      gap = None
-      if type(self)._trace is not SPMDExtended._trace:
-        gap = f"{type(self).__name__} does its own work around each step's trace"
-      elif self._cores_per_replica > 1:
-        gap = "several logical devices per replica (TPUStrategy) are not replayed yet"
-      elif getattr(self, "_host_replicas", None) is not None:
-        gap = "several hosts are not replayed yet (every host must decide alike)"
-      replayer = self._replayer = _replay.Replayer(self, gap)
-    options = _replay.PLACED if placed else getattr(self, "_run_options", None)
-    out, attempt = replayer.run(fn, args, kwargs, self._compile_watch, options)
-    if attempt is None:
-      return out
-    if attempt.args is not None:
-      args, kwargs = attempt.args, attempt.kwargs
-    region = Region(strategy)
-    step = region.step
-    made = StepTensors(region)
-    hooks = (
-      torch_optimizer.register_optimizer_step_pre_hook(self._before_step),
-      torch_optimizer.register_optimizer_step_post_hook(self._after_step),
-    )
-    self._region = region
-    try:
-      # Only frames below this one hold replica-local views (see _clear_step_frames).
-      out = self._trace(fn, args, kwargs, region, made)
-    except _runtime.HostReadInStep as e:
-      attempt.abandon()
-      store.restore(step)
-      _clear_step_frames(e.__traceback__)
-      raise RuntimeError(HOST_READ_MESSAGE.format(detail=str(e))) from None
-    except BaseException as e:
-      attempt.abandon()
-      store.restore(step)
-      _clear_step_frames(e.__traceback__)
-      raise
-    finally:
-      for hook in hooks:
-        hook.remove()
-      keep = {id(t) for t, *_ in step.variables}
-      region.close()
-      self._region = None
-      del step
-      made.release(keep, describe_fn(fn))
-    return attempt.finish(out)
+  # -- run: the step engine (xladist/_step/engine.py) ----------------------------------
+  @property
+  def _region(self):
+    """The Region of the step being traced, else None."""
+    return self._engine.region
 
-  def _call_in_merge(self, fn, args, kwargs):
-    """call_for_each_replica inside merge_fn (TF allows it): the step's replicas
-    run `fn` again, each with its own components; results come back in the
-    merge_call form of PerReplica."""
-    region = self._region
-    local_args, local_kwargs = tree_map(region.local_of, (args, kwargs))
-    mode = context._Mode(
-      self._strategy_ref, replica_context=ReplicaContext(self._strategy_ref, region)
-    )
-    context.push(mode)
-    try:
-      out = fn(*local_args, **local_kwargs)
-    finally:
-      context.pop(mode)
-    return tree_map(
-      lambda x: PerReplica._from_local(x, region) if isinstance(x, torch.Tensor) else x, out
-    )
+  def _call_for_each_replica(self, fn, args, kwargs, options=None):
+    if self._engine.region is not None:
+      return self._engine.call_in_merge(fn, args, kwargs)
+    return self._engine.run(fn, args, kwargs, options)
 
-  def _trace(self, fn, args, kwargs, region, made):
-    """Enters the region, traces `fn` once for all replicas, leaves the region."""
-    strategy, store, step = self._strategy_ref, self._store, region.step
-    leaves, spec = flatten((args, kwargs))
-    entered = [region.enter_value(x) for x in leaves]
-    for t in entered:
-      made.track(t)
-    local_args, local_kwargs = unflatten(spec, entered)
-    del entered
-    # Global tensors this strategy keeps are made before `made` records.
-    self._replica_iota()
-    if self._cores_per_replica > 1:
-      self._device_iota()
-    store.enter(step)
-    mode = context._Mode(strategy, replica_context=ReplicaContext(strategy, region))
-    context.push(mode)
-    try:
-      with _runtime.no_execution(), _xm_in_step.guarded(), made:
-        out = fn(*local_args, **local_kwargs)
-    finally:
-      context.pop(mode)
-    leaves, spec = flatten(out)
-    result = unflatten(spec, [region.exit_value(x) for x in leaves])
-    store.exit(step, region.global_replicated)
-    return result
+  def _aggregate_for_clipping(self, ctx, tensors):
+    """torch's gradient clipping inside a step (`_grad_clip.py`)."""
+    self._engine.aggregate_for_clipping(ctx, tensors)
 
   def _variable_components(self, tensor):
     """Each replica's component: the rows of a sync-on-read variable's
@@ -219,89 +120,6 @@ class SPMDExtended(StrategyExtended):
       return self._in_update_context(device, lambda: step.updating(lambda: fn(*a, **k)))
 
     return self._strategy_ref.run(body, args=(args, kwargs))
-
-  def _before_step(self, optimizer, args, kwargs):
-    """optimizer.step() in a replica context: aggregate the gradients first."""
-    region = self._region
-    ctx = context.get_replica_context()
-    if region is None or ctx is None or ctx.strategy is not self._strategy_ref:
-      return
-    step = region.step
-    if self._store.track_optimizer(optimizer):
-      self._store.enter_optimizer(optimizer, step)
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    foreign = [tuple(p.shape) for p in params if not step.is_variable(p)]
-    if foreign:
-      raise RuntimeError(
-        f"optimizer.step() in strategy.run: {len(foreign)} of the optimizer's "
-        f"parameters (shapes {foreign[:3]}...) are not variables of "
-        f"{self._strategy_ref!r}. Create the model under strategy.scope() so that "
-        "its parameters are mirrored on every replica."
-      )
-    step.stepped.update(id(p) for p in params)
-    # Mirrored variables with an aggregation that the optimizer updates are
-    # updated identically on every replica (from aggregated gradients).
-    step.optimizer_clean[id(optimizer)] = step.clean([p for p in params if step.is_aggregated(p)])
-    self._aggregate_gradients(ctx, params, "optimizer.step()")
-
-  def _aggregate_for_clipping(self, ctx, tensors):
-    """torch's gradient clipping inside this strategy's step (`_grad_clip.py`):
-    the gradients of variables in the list `tensors` are aggregated across
-    replicas and replace the local ones, in the list and in `.grad`."""
-    region = self._region
-    if region is None or ctx.strategy is not self._strategy_ref:
-      return
-    if self.experimental_gradient_aggregation is None:
-      return
-    owner = {id(t.grad): t for t, *_ in region.step.variables if t.grad is not None}
-    params = [owner.get(id(t)) for t in tensors]
-    found = [p for p in params if p is not None]
-    if not found:
-      return
-    self._aggregate_gradients(ctx, found, "torch.nn.utils gradient clipping")
-    for i, p in enumerate(params):
-      if p is not None:
-        tensors[i] = p.grad
-
-  def _aggregate_gradients(self, ctx, params, api):
-    """Replaces each parameter's local gradient by its aggregate across replicas
-    (the strategy's experimental_gradient_aggregation; one merge_call, packed
-    into few all-reduces), except those aggregated earlier in this step (by
-    gradient clipping). Called by optimizer.step() and by torch's clipping
-    functions inside `run` (`_grad_clip.py`)."""
-    op = self.experimental_gradient_aggregation
-    step = self._region.step
-    done = step.aggregated_grads
-    todo = []
-    for p in params:
-      if p.grad is None:
-        continue
-      if id(p) not in done:
-        todo.append(p)
-      elif done[id(p)] is not p.grad:
-        raise RuntimeError(
-          f"{api} in strategy.run: a gradient was replaced after gradient clipping "
-          "had aggregated it across replicas in this step (e.g. another backward() "
-          "with set_to_none, or an assignment to .grad), so xladist cannot tell "
-          "whether it is a per-replica or an aggregated value. Clip right before "
-          "optimizer.step(), after every backward() of the step."
-        )
-    if op is None or not todo:
-      return
-
-    def merge_fn(strategy, *grads):
-      return strategy.extended.batch_reduce_to(op, [(g, g) for g in grads])
-
-    reduced = ctx.merge_call(merge_fn, args=[p.grad for p in todo])
-    for p, g in zip(todo, reduced):
-      p.grad = g
-      done[id(p)] = g
-
-  def _after_step(self, optimizer, args, kwargs):
-    region = self._region
-    if region is not None:
-      step = region.step
-      step.sanction(step.optimizer_clean.pop(id(optimizer), ()))
 
   # -- cross-replica operations ------------------------------------------------------------
   def _options(self, options):
@@ -350,21 +168,6 @@ class SPMDExtended(StrategyExtended):
       region.require_active("strategy.gather")
       return _concat_stacked(region.gather_stacked(local), axis, "strategy.gather")
     return super()._gather(value, axis)
-
-
-def _clear_step_frames(tb):
-  """Clears the locals of the finished frames below `run` in a traceback.
-
-  They hold replica-local views of the step's tensors; reading one after the
-  step (a traceback printer showing arguments, e.g. pytest's long tracebacks,
-  or a debugger) makes torch_xla 2.9 abort the process ("Check failed:
-  !IsManual()"). The traceback keeps its files, lines and source.
-  """
-  here = sys._getframe(1)  # _call_for_each_replica
-  while tb is not None and tb.tb_frame is not here:
-    tb = tb.tb_next
-  if tb is not None:
-    traceback.clear_frames(tb.tb_next)  # skips frames still running (generators)
 
 
 def _place_variable(tensor):

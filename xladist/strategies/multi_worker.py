@@ -14,7 +14,8 @@ feeds only its own replicas (host h: replicas [h*R/H, (h+1)*R/H)), with
 
 import torch
 
-from xladist import _multihost, _runtime
+from xladist import runtime as _runtime
+from xladist.cluster_resolver import _multihost
 from xladist.communication_options import CommunicationOptions
 from xladist.input import dataset as input_dataset
 from xladist.input import sharding
@@ -114,10 +115,8 @@ class MultiWorkerExtended(SPMDExtended):
   def _check_local_devices(self):
     """This host's devices must be its replicas' (checked at start, not at the first batch)."""
     if self._host_replicas is not None:
-      import torch_xla
-
       _multihost.local_shard_rows(
-        torch_xla._XLAC._xla_get_runtime_devices(),
+        _runtime.runtime_devices(),
         self._host_replicas,
         self._api,
         self._cores_per_replica,
@@ -210,7 +209,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         f"{type(communication_options).__name__}."
       )
     if cluster_resolver is None:
-      cluster_resolver = _multihost.default_resolver(_runtime._detect_device_type())
+      cluster_resolver = _multihost.default_resolver(_runtime.device_type())
     timeout = communication_options.timeout_seconds if communication_options else None
     cluster = _multihost.initialize(cluster_resolver, _API, timeout)
     extended = MultiWorkerExtended(self, cluster, cluster_resolver, communication_options)

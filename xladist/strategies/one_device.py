@@ -2,11 +2,14 @@
 
 import torch
 
-from xladist import _runtime, context
+from xladist import context
+from xladist import runtime as _runtime
+from xladist._nest import leaf_name, tree_map_with_path
+from xladist._step import seeds
 from xladist.extended import StrategyExtended
 from xladist.replica_context import ReplicaContext
 from xladist.strategy import Strategy
-from xladist.values import Mirrored, PerReplica, leaf_name, tree_map_with_path
+from xladist.values import Mirrored, PerReplica
 from xladist.variable_store import VariableStore
 
 
@@ -60,10 +63,10 @@ class SingleReplicaExtended(StrategyExtended):
       return self._place(value)
     return value
 
-  def _call_for_each_replica(self, fn, args, kwargs):
+  def _call_for_each_replica(self, fn, args, kwargs, options=None):
     self._store.place_pending()
     if self._device is not None and self._device.type == "xla":
-      _runtime.follow_torch_seed()
+      seeds.follow_torch_seed()
 
     def enter(nest, root):
       return tree_map_with_path(

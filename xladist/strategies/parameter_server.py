@@ -4,7 +4,7 @@ TF's `tf.distribute.ParameterServerStrategy` (v2) with its coordinator
 (`xladist.coordinator.ClusterCoordinator`): one chief process runs the
 training program, ps tasks hold the variables, workers run the functions the
 chief schedules, asynchronously. Every task is a member of one
-torch.distributed.rpc group (`xladist/_rpc.py`); workers and ps tasks run
+torch.distributed.rpc group (`xladist/_ps/rpc.py`); workers and ps tasks run
 `xladist.Server(...).join()`.
 
 On the chief, a module (or `xladist.Variable`) made under `scope()` is placed
@@ -29,9 +29,12 @@ from typing import NamedTuple
 
 import torch
 
-from xladist import _ps_task, _rpc, _runtime, server
 from xladist import cluster_resolver as resolvers
+from xladist import runtime as _runtime
 from xladist import variable_policy as policies
+from xladist._ps import rpc as _rpc
+from xladist._ps import server
+from xladist._ps import task as _ps_task
 from xladist.communication_options import CommunicationOptions
 from xladist.extended import StrategyExtended
 from xladist.input import dataset as input_dataset
@@ -342,7 +345,7 @@ class ParameterServerExtended(StrategyExtended):
       return opt_id
 
   def optimizer_spec(self, optimizer):
-    """What a worker needs to stand in for `optimizer` (see _ps_worker)."""
+    """What a worker needs to stand in for `optimizer` (see coordinator/_worker.py)."""
     opt_id = self.register_optimizer(optimizer)
     groups = [
       ({k: v for k, v in g.items() if k != "params"}, [info_of(p) for p in g["params"]])
@@ -362,7 +365,7 @@ class ParameterServerExtended(StrategyExtended):
       _rpc.stop()
 
   # -- running ------------------------------------------------------------------------------
-  def _call_for_each_replica(self, fn, args, kwargs):
+  def _call_for_each_replica(self, fn, args, kwargs, options=None):
     raise RuntimeError(
       f"{_API}.run on the chief: functions run on the workers. Schedule the "
       "function with xladist.coordinator.ClusterCoordinator(strategy).schedule(fn, "

@@ -14,8 +14,10 @@ import math
 import numpy as np
 import torch
 
-from xladist import _logical, _multihost, _runtime, context
+from xladist import _logical, context
 from xladist import cluster_resolver as resolvers
+from xladist import runtime as _runtime
+from xladist.cluster_resolver import _multihost
 from xladist.strategies.multi_worker import MultiWorkerExtended
 from xladist.strategy import Strategy
 
@@ -175,7 +177,7 @@ class TPUStrategy(Strategy):
       # process and its devices.
       tpu_cluster_resolver = (
         resolvers.TPUClusterResolver()
-        if _runtime._detect_device_type() == "TPU"
+        if _runtime.device_type() == "TPU"
         else resolvers.SimpleClusterResolver(resolvers.ClusterSpec({}))
       )
     elif not isinstance(tpu_cluster_resolver, resolvers.ClusterResolver):

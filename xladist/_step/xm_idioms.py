@@ -28,11 +28,10 @@ The raw collective bindings are guarded too, for code that imported the
 functions before the step (`from torch_xla.core.xla_model import all_reduce`).
 """
 
-import contextlib
-
 import torch
 
-from xladist import _runtime, collectives, context
+from xladist import collectives, context
+from xladist import runtime as _runtime
 from xladist.reduce_util import ReduceOp
 
 _REDUCE = {"sum": ReduceOp.SUM, "min": ReduceOp.MIN, "max": ReduceOp.MAX}
@@ -217,43 +216,27 @@ def _sync_binding(name):
   return refuse
 
 
-@contextlib.contextmanager
 def guarded():
-  """Replaces torch_xla's collective and sync idioms while a step is traced."""
-  import torch_xla
-  import torch_xla.core.xla_model as xm
-  import torch_xla.runtime as xr
-
-  saved = []
-
-  def swap(owner, name, value):
-    if hasattr(owner, name):
-      saved.append((owner, name, getattr(owner, name)))
-      setattr(owner, name, value)
-
-  try:
-    for name, value in (
-      ("all_reduce", all_reduce),
-      ("all_gather", all_gather),
-      ("reduce_scatter", reduce_scatter),
-      ("optimizer_step", optimizer_step),
-    ):
-      swap(xm, name, value)
-    for name in _UNSUPPORTED:
-      swap(xm, name, _unsupported(name))
-    swap(xr, "world_size", _world_size)
-    for owner, name in (
-      (xr, "global_ordinal"),
-      (xr, "local_ordinal"),
-      (xm, "get_local_ordinal"),
-      (xm, "is_master_ordinal"),
-    ):
-      swap(owner, name, _ordinal(f"{owner.__name__.split('.')[-1]}.{name}"))
-    for name in _RAISING_BINDINGS:
-      swap(torch_xla._XLAC, name, _raw_binding(name))
-    for name in _SYNC_BINDINGS:
-      swap(torch_xla._XLAC, name, _sync_binding(name))
-    yield
-  finally:
-    for owner, name, value in reversed(saved):
-      setattr(owner, name, value)
+  """Replaces torch_xla's collective and sync idioms while a step is traced
+  (a context manager; the runtime swaps them in its own modules)."""
+  replacements = {
+    ("xm", "all_reduce"): all_reduce,
+    ("xm", "all_gather"): all_gather,
+    ("xm", "reduce_scatter"): reduce_scatter,
+    ("xm", "optimizer_step"): optimizer_step,
+    ("xr", "world_size"): _world_size,
+  }
+  for name in _UNSUPPORTED:
+    replacements["xm", name] = _unsupported(name)
+  for module, name in (
+    ("xr", "global_ordinal"),
+    ("xr", "local_ordinal"),
+    ("xm", "get_local_ordinal"),
+    ("xm", "is_master_ordinal"),
+  ):
+    replacements[module, name] = _ordinal(f"{module}.{name}")
+  for name in _RAISING_BINDINGS:
+    replacements["_XLAC", name] = _raw_binding(name)
+  for name in _SYNC_BINDINGS:
+    replacements["_XLAC", name] = _sync_binding(name)
+  return _runtime.patched(replacements)

@@ -18,7 +18,7 @@ import time
 import traceback
 import warnings
 
-from xladist._cluster_spec import ClusterSpec
+from xladist.cluster_resolver import ClusterSpec
 
 JOBS = ("chief", "worker", "ps")
 DEFAULT_TIMEOUT = 60.0  # seconds: the default bound on one remote call

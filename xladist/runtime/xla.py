@@ -1,7 +1,9 @@
-"""The device layer: device discovery, SPMD initialisation, meshes and manual regions.
+"""The torch_xla runtime: device discovery, SPMD initialisation, meshes, manual
+regions, collectives' lowering, host transfers, counters and RNG state.
 
-Everything xladist asks of torch_xla goes through this module, so that a second
-backend (see docs/architecture.md, "GPU fallback") has one place to fit beside it.
+This is the only module of xladist that imports torch_xla (import-linter's
+"only the runtime imports torch_xla" contract): everything else reaches it
+through the facade `xladist.runtime` (see its docstring for the interface).
 
 Facts this module relies on (torch 2.9.0 + torch_xla 2.9.0, checked by spikes
 recorded in docs/architecture.md):
@@ -200,8 +202,16 @@ def initialize():
     os.environ["PJRT_DEVICE"] = device_type
     if device_type == "CPU":
       os.environ.setdefault("CPU_NUM_DEVICES", str(DEFAULT_CPU_DEVICES))
-    import torch_xla
-    import torch_xla.runtime as xr
+    try:
+      import torch_xla
+      import torch_xla.runtime as xr
+    except ImportError as e:
+      raise RuntimeError(
+        "xladist: the torch_xla runtime (XLADIST_BACKEND=torch_xla, the default) "
+        f"needs torch_xla, which cannot be imported here ({e}). Install the "
+        "versions xladist pins (torch==2.9.0 torch_xla==2.9.0; `make venv` builds "
+        "such an environment; on a TPU VM pip install 'xladist[tpu]')."
+      ) from e
 
     if not xr.is_spmd() and torch_xla._XLAC._xla_get_spmd_config_is_locked():
       raise RuntimeError(
@@ -276,27 +286,6 @@ def _start_compile_cache(torch_xla, xr, device_type):
   except OSError:
     return  # an unwritable cache location costs compile time, nothing else
   xr.initialize_cache(path)
-
-
-_torch_seed_seen = [None]
-
-
-def follow_torch_seed(reseed=True):
-  """Makes torch_xla's random-number seed follow `torch.manual_seed`.
-
-  torch_xla keeps a seed of its own (torch.manual_seed does not set it, checked
-  on torch_xla 2.9), so dropout in a step would not follow the user's seed.
-  Called before each traced step: when torch's seed (`torch.initial_seed()`)
-  differs from the one last seen, torch_xla's seed is set to it. With
-  `reseed=False` (after a checkpoint restored both) only the seen value moves.
-  """
-  import torch
-
-  seed = torch.initial_seed()
-  if seed != _torch_seed_seen[0]:
-    _torch_seed_seen[0] = seed
-    if reseed:
-      _xlac()._xla_set_rng_seed(seed % (2**63), "")
 
 
 def num_devices():
@@ -642,3 +631,181 @@ def execute_count():
 def hlo_text(tensors):
   """The (pre-partitioning) HLO of the pending graph that computes `tensors`."""
   return _xlac()._get_xla_tensors_hlo(list(tensors))
+
+
+# -- what other layers used to ask torch_xla for directly -------------------------------
+
+
+def is_initialized():
+  """True once a strategy started the runtime in this process."""
+  return _state is not None
+
+
+def device_type():
+  """The device type this process would use (PJRT_DEVICE, else torch_xla's rule)."""
+  return _detect_device_type()
+
+
+def to_host(tensors):
+  """CPU copies of XLA tensors, in one transfer call (pending ones computed once)."""
+  return list(_xlac()._xla_get_cpu_tensors(list(tensors)))
+
+
+def replicate_many(tensors):
+  """Host tensors -> XLA tensors replicated on every device, in one transfer call."""
+  import torch_xla.distributed.spmd as xs
+
+  m = mesh()
+  ts = [t.detach().contiguous() for t in tensors]
+  specs = [xs.ShardingSpec(m, (None,) * t.dim()).xla_spec(t) for t in ts]
+  return _xlac()._xla_tensors_from_aten(ts, [str(device())] * len(ts), specs)
+
+
+def runtime_devices():
+  """This process's devices as torch_xla names them ("TPU:4", "CPU:0", ...)."""
+  return list(_xlac()._xla_get_runtime_devices())
+
+
+def addressable_device_count():
+  import torch_xla.runtime as xr
+
+  return xr.addressable_runtime_device_count()
+
+
+def process_count_index():
+  """(number of processes of the runtime, this process's index); starts the runtime."""
+  initialize()
+  import torch_xla.runtime as xr
+
+  return xr.process_count(), xr.process_index()
+
+
+def local_shards(tensor):
+  """[(shard, device name)] of this host's shards of a global tensor."""
+  return _xlac()._get_local_shards([tensor])[0]
+
+
+def global_from_local_shards(shards, op_sharding, full_shape):
+  """A global tensor from this host's CPU shards (one per local device)."""
+  return _xlac()._global_tensor_from_cpu_shards(shards, op_sharding, full_shape)
+
+
+def rng_seed():
+  """The runtime's RNG state (an int), or None before a strategy started it."""
+  if _state is None:
+    return None
+  import torch_xla.core.xla_model as xm
+
+  return int(xm.get_rng_state())
+
+
+def set_rng_seed(seed):
+  import torch_xla.core.xla_model as xm
+
+  xm.set_rng_state(int(seed))
+
+
+_PATCHABLE = {
+  "torch_xla": "torch_xla",
+  "xm": "torch_xla.core.xla_model",
+  "xr": "torch_xla.runtime",
+  "_XLAC": "torch_xla._XLAC",
+}
+
+
+@contextlib.contextmanager
+def patched(replacements):
+  """Replaces attributes of torch_xla's modules while the block runs.
+
+  `replacements`: {(module key, name): value}, module key one of "torch_xla",
+  "xm" (torch_xla.core.xla_model), "xr" (torch_xla.runtime), "_XLAC". Names the
+  module does not have are left alone. Everything is put back on exit.
+  """
+  import importlib
+
+  import torch_xla
+
+  modules = {
+    key: torch_xla._XLAC if key == "_XLAC" else importlib.import_module(name)
+    for key, name in _PATCHABLE.items()
+  }
+  saved = []
+  try:
+    for (key, name), value in replacements.items():
+      owner = modules[key]
+      if hasattr(owner, name):
+        saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+    yield
+  finally:
+    for owner, name, value in reversed(saved):
+      setattr(owner, name, value)
+
+
+def checkpoint_planners():
+  """(save planner, load planner, set_element) of torch.distributed.checkpoint
+  for this runtime's sharded tensors (torch_xla's SPMD planners)."""
+  from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDSavePlanner
+  from torch_xla.experimental.distributed_checkpoint._helpers import set_element
+
+  return SPMDSavePlanner, SPMDLoadPlanner, set_element
+
+
+def empty_sharded_like(shape, dtype, like):
+  """An uninitialised tensor of `shape` and `dtype` with the sharding of `like`."""
+  import torch
+
+  t = torch.empty(shape, dtype=dtype, device=like.device)
+  _xlac()._xla_mark_sharding(t, _xlac()._get_xla_op_sharding(like))
+  return t
+
+
+def is_sharded(t):
+  """Whether the XLA tensor `t` is split over the devices (not whole on each)."""
+  import torch_xla.distributed.spmd as xs
+
+  kind = _xlac()._get_xla_sharding_type(t)
+  return kind is not None and xs.ShardingType(kind) in (
+    xs.ShardingType.TILED,
+    xs.ShardingType.PARTIAL,
+  )
+
+
+def sharding_spec(t):
+  """The sharding of an XLA tensor as text ("" for a CPU tensor)."""
+  if not t.is_xla:
+    return ""
+  return _xlac()._get_xla_sharding_spec(t)
+
+
+def graph_hash(tensors):
+  """The hash of the pending work that makes `tensors` (bytes)."""
+  return _xlac()._get_graph_hash(list(tensors))
+
+
+def at_next_sync(callback):
+  """Runs `callback()` when the next program of this process is cut (a step closure)."""
+  import torch_xla.core.xla_model as xm
+
+  xm.add_step_closure(callback)
+
+
+def native():
+  """torch_xla's C++ bindings (`torch_xla._XLAC`), for the replay of traced
+  programs (`_replay.py`), which only this runtime offers."""
+  return _xlac()
+
+
+def running_seed():
+  """torch_xla's running random-number seed (moved on by every random op traced)."""
+  return _xlac()._xla_get_rng_seed()
+
+
+def set_running_seed(seed):
+  _xlac()._xla_set_rng_seed(seed, "")
+
+
+def sync_count():
+  """How many times the graph was cut in this process (torch_xla's MarkStep count)."""
+  value = _xlac()._xla_counter_value("MarkStep")
+  return 0 if value is None else value

@@ -1,4 +1,4 @@
-"""The checkpoint file: content, digest, RNG states, atomic writes (see checkpoint.py).
+"""The checkpoint file: content, digest, RNG states, atomic writes (see __init__.py).
 
 A file is `torch.save` of a dict: "format", "version", "objects" (name ->
 {"kind", "value"}, CPU tensors and plain values only), "rng" and "digest", a
@@ -7,7 +7,7 @@ no CRC (torch 2.9: a flipped byte of tensor data loads silently), hence the
 digest. Files are read with `torch.load(weights_only=True)`.
 
 Values are walked with optree (`map_tensors` through xladist's nests in
-values.py, `check_plain`), which keeps each container's type; a module state
+_nest.py, `check_plain`), which keeps each container's type; a module state
 dict's `_metadata` is carried over too.
 """
 
@@ -21,7 +21,9 @@ import shutil
 import optree
 import torch
 
-from xladist import _runtime, values
+from xladist import _nest
+from xladist import runtime as _runtime
+from xladist._step import seeds
 from xladist.input.order import host_rng_state, set_host_rng_state
 
 FORMAT = "xladist.checkpoint"
@@ -99,7 +101,7 @@ def _not_plain(where, value, api):
 def map_tensors(fn, value, *, with_path=False):
   """`value` with every tensor `t` replaced by `fn(t)` (`fn(path, t)` with
   `with_path`: the keys and indices that lead to it). xladist's nests
-  (`values.tree_map_with_path`, optree) keep each container's type, and a
+  (`_nest.tree_map_with_path`, optree) keep each container's type, and a
   module state dict its `_metadata` (the modules' versions, which
   `load_state_dict` passes to `_load_from_state_dict`)."""
 
@@ -108,7 +110,7 @@ def map_tensors(fn, value, *, with_path=False):
       return x
     return fn(path, x) if with_path else fn(x)
 
-  return values.tree_map_with_path(leaf, value)
+  return _nest.tree_map_with_path(leaf, value)
 
 
 def tensors_by_path(value):
@@ -176,35 +178,21 @@ def digest(value, h=None):
 
 def rng_state():
   state = host_rng_state()
-  seed = _xla_seed()
+  # The XLA seed belongs to the runtime's default device; it is read only once
+  # a strategy started the runtime (starting it here would choose a device,
+  # and in the wrong mode).
+  seed = _runtime.rng_seed()
   if seed is not None:
     state["xla"] = seed
   return state
 
 
-def _xla_runtime_on_xla():
-  # The XLA seed belongs to torch_xla's default device; only touch it when an
-  # xladist strategy already initialised torch_xla (initialising it here would
-  # choose a device, and in the wrong mode).
-  return _runtime._state is not None
-
-
-def _xla_seed():
-  if not _xla_runtime_on_xla():
-    return None
-  import torch_xla.core.xla_model as xm
-
-  return int(xm.get_rng_state())
-
-
 def set_rng_state(state):
   set_host_rng_state(state)
-  if "xla" in state and _xla_runtime_on_xla():
-    import torch_xla.core.xla_model as xm
-
-    xm.set_rng_state(int(state["xla"]))
-  if _xla_runtime_on_xla():
-    _runtime.follow_torch_seed(reseed=False)  # the restored XLA state stands
+  if _runtime.is_initialized():
+    if "xla" in state:
+      _runtime.set_rng_seed(state["xla"])
+    seeds.follow_torch_seed(reseed=False)  # the restored XLA state stands
 
 
 def fsync_dir(directory):

@@ -78,16 +78,11 @@ import warnings
 
 import torch
 
-from xladist import _runtime
-from xladist import _step_signature as signatures
-from xladist.values import (
-  _NOT_CONSTANT,
-  DistributedValues,
-  Mirrored,
-  PerReplica,
-  flatten,
-  unflatten,
-)
+from xladist import runtime as _runtime
+from xladist._nest import flatten, unflatten
+from xladist._step import seeds
+from xladist._step import signature as signatures
+from xladist.values import _NOT_CONSTANT, DistributedValues, Mirrored, PerReplica
 from xladist.variable_store import copies_of
 
 logger = logging.getLogger("xladist")
@@ -98,15 +93,9 @@ DEFAULT_VERIFY_EVERY = 100
 _MAX_KEYS = 16  # keys (programs) kept per strategy, least recently used dropped
 _FRESH_LIMIT = 3  # steps in a row with a new key after which they are not captured
 
-# torch_xla 2.9's seed arithmetic (uint64): each random op of a traced graph
-# takes the next "running" seed (XLAGraphExecutor's GetRngSeed).
-_MASK = (1 << 64) - 1
-_RUN_MUL, _RUN_ADD = 214013, 2531011
-_MAX_DRAWS = 1 << 16  # random ops of one step that a capture accepts
-
 
 def _xla():
-  return _runtime._xlac()
+  return _runtime.native()
 
 
 def _env_off(name):
@@ -156,83 +145,6 @@ def _debug():
 
 
 # -- torch_xla's random-number seed -------------------------------------------------------
-
-
-def _run_n(seed, n):
-  for _ in range(n):
-    seed = (_RUN_ADD + _RUN_MUL * seed) & _MASK
-  return seed
-
-
-def _draws_between(start, end):
-  """How many random ops take `start` to `end` (None: not within _MAX_DRAWS)."""
-  seed = start
-  for n in range(_MAX_DRAWS + 1):
-    if seed == end:
-      return n
-    seed = (_RUN_ADD + _RUN_MUL * seed) & _MASK
-  return None
-
-
-def _marksteps():
-  value = _xla()._xla_counter_value("MarkStep")
-  return 0 if value is None else value
-
-
-class _Seeds:
-  """torch_xla's random-number seed around xladist's steps (one per process).
-
-  torch_xla keeps a base seed, moved on by every `torch_xla.sync()` (MarkStep),
-  and a running seed, moved on by every random op traced since; a traced graph
-  takes the base seed as a parameter and derives each op's seed from it. So a
-  step traced after random ops of earlier steps (no sync between) carries their
-  seed arithmetic in its graph, and would make a new program at every step.
-
-  xladist's rule, the same whether a step is traced or replayed (so that the
-  two agree bit for bit): a step's random ops start from the running seed, and
-  when random ops ran since the last sync (the running seed moved away from the
-  base), that running seed becomes the base seed at the step's start
-  (`start_step`). A replay does not advance torch_xla's running seed: what it
-  consumed is kept here (`virtual`) for the next step, or dropped by the next
-  sync, which moves the base on as it would after the traced step.
-
-  Not covered (documented): random draws on the XLA device outside
-  `strategy.run` after a replayed step and before the next sync start from the
-  seed the replayed step started from.
-  """
-
-  def __init__(self):
-    self.marks = None  # MarkStep count when last looked
-    self.base = None  # the base seed, as far as xladist knows
-    self.left = None  # the running seed xladist last left torch_xla with
-    self.virtual = None  # the running seed after a replay with random ops, or None
-
-  def start_step(self):
-    """The seed the step's random ops start from (see the class docstring)."""
-    x = _xla()
-    marks = _marksteps()
-    running = x._xla_get_rng_seed()
-    if marks != self.marks or running != self.left:
-      # A sync moved the base on, or the seed was set (torch.manual_seed, a
-      # checkpoint restore), or random ops ran outside a step: start afresh.
-      self.marks, self.base, self.left, self.virtual = marks, running, running, None
-    seed = running if self.virtual is None else self.virtual
-    self.virtual = None
-    if seed != self.base:
-      x._xla_set_rng_seed(seed, "")
-      self.base = self.left = seed
-    return seed
-
-  def after_trace(self):
-    self.left = _xla()._xla_get_rng_seed()
-    return self.left
-
-  def after_replay(self, seed, draws):
-    if draws:
-      self.virtual = _run_n(seed, draws)
-
-
-_SEEDS = _Seeds()
 
 
 def _signed(seed):
@@ -571,7 +483,7 @@ class Replayer:
     (None, attempt): trace the step with `attempt.args` / `attempt.kwargs`, then
     call `attempt.finish(result)` (or `attempt.abandon()` if the trace failed)."""
     self.steps += 1
-    seed = _SEEDS.start_step()
+    seed = seeds.STEP_SEEDS.start_step()
     if self._gap is not None:
       return None, self._plain(self._gap, seed)
     if options is PLACED:
@@ -725,7 +637,7 @@ class Replayer:
       _runtime.sync([t for t, p in zip(inputs, pending) if p])
       results = x._run_cached_graph(prog.hash, inputs)
     self.replays += 1
-    _SEEDS.after_replay(seed, prog.draws)
+    seeds.STEP_SEEDS.after_replay(seed, prog.draws)
     return _write_back(prog, results, n)
 
 
@@ -860,12 +772,12 @@ class _Attempt:
   # -- after the trace ------------------------------------------------------------------------
   def abandon(self):
     """The trace failed: keep the seed bookkeeping right."""
-    _SEEDS.after_trace()
+    seeds.STEP_SEEDS.after_trace()
 
   def finish(self, result):
     """Captures the traced step when it can (compiling and running its program
     now), and returns the step's result."""
-    seed1 = _SEEDS.after_trace()
+    seed1 = seeds.STEP_SEEDS.after_trace()
     if self._entry is None:
       return result
     if not self._ready:
@@ -1043,7 +955,7 @@ class _Attempt:
     if sum(1 for s in sources if s[0] == SEED) > 1:
       raise _NotCapturable("the program has several random-number seeds")
     if any(s[0] == SEED for s in sources):
-      draws = _draws_between(self._seed0, seed1)
+      draws = seeds.draws_between(self._seed0, seed1)
       if not draws:
         raise _NotCapturable("the step's random-number seed use could not be followed")
     graph_hash = x._get_graph_hash(kept)
@@ -1072,9 +984,8 @@ def _replay_compiled(extended, n):
   explaining it as a recompilation of the step (it compiles, for replay, the
   program the step's first trace ran through torch_xla's sync)."""
   watch = getattr(extended, "_compile_watch", None)
-  if n and watch is not None and getattr(watch, "_last", None) is not None:
-    watch._seen += n
-    watch.compilations += n
+  if watch is not None:
+    watch.count_unexplained(n)
 
 
 class _Traced:

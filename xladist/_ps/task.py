@@ -20,7 +20,7 @@ import threading
 
 import torch
 
-from xladist import _rpc
+from xladist._ps import rpc as _rpc
 
 _lock = threading.Lock()
 _vars = {}  # (var_id, shard) -> tensor

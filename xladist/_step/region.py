@@ -14,7 +14,8 @@ leaving converts every output (and the variables) back to global views:
 
 import torch
 
-from xladist import _logical, _runtime, collectives
+from xladist import _logical, collectives
+from xladist import runtime as _runtime
 from xladist.values import _NOT_CONSTANT, DistributedValues, Mirrored, PerReplica
 from xladist.variable_store import Step
 
@@ -31,10 +32,23 @@ HOST_READ_MESSAGE = (
 
 
 class Region:
-  """The manual region of one traced step over all replicas."""
+  """The manual region of one traced step over all replicas.
 
-  def __init__(self, strategy):
+  Args:
+    strategy: the strategy whose step this is.
+    replica_iota: returns the global int32 tensor whose row r is r (split over
+      the replica axis): each replica's `replica_id` is its local view.
+    device_iota: returns the global tensor whose element d is on device d
+      (logical devices find their core index from it).
+    all_reduce: `all_reduce(op, local_tensors, options)` with the strategy's
+      cross-device ops (ReplicaContext.all_reduce, merge_call).
+  """
+
+  def __init__(self, strategy, replica_iota, device_iota, all_reduce):
     self.strategy = strategy
+    self._replica_iota = replica_iota
+    self._device_iota = device_iota
+    self._all_reduce = all_reduce
     self.num_replicas = strategy.num_replicas_in_sync
     self.active = True
     self.step = Step(self)
@@ -50,7 +64,7 @@ class Region:
   def replica_id(self):
     """This replica's index as a traced int32 scalar (from a replica-split iota)."""
     if self._replica_id is None:
-      iota = self.strategy.extended._replica_iota()
+      iota = self._replica_iota()
       self._replica_id = _runtime.to_local(iota).reshape(())
     return self._replica_id
 
@@ -58,7 +72,7 @@ class Region:
   def core_axis(self):
     """This device's place among its replica's cores (TPUStrategy logical devices)."""
     if self._core_axis is None:
-      iota = self.strategy.extended._device_iota()
+      iota = self._device_iota()
       self._core_axis = _logical.CoreAxis(self.num_replicas, _runtime.to_local(iota).reshape(()))
     return self._core_axis
 
@@ -141,7 +155,7 @@ class Region:
   # -- cross-replica views (merge_call) --------------------------------------------
   def all_reduce(self, op, tensors, options=None):
     """All-reduces local tensors with the strategy's CrossDeviceOps and options."""
-    return self.strategy.extended._all_reduce_local(op, tensors, options)
+    return self._all_reduce(op, tensors, options)
 
   def gather_stacked(self, local):
     return collectives.gather_stacked(local, self.replica_id, self.num_replicas)

@@ -17,7 +17,7 @@ call per ps task), run it with the strategy in scope (torch_xla traces it into
 one program), send what it wrote to variables otherwise than through the
 optimizer (its change, which the ps task adds: `assign_add` from several
 workers adds up, as TF's remote assign_add), bring its outputs back as CPU
-tensors. Functions return data, never raise (`_rpc` error records).
+tensors. Functions return data, never raise (`_ps/rpc.py` error records).
 """
 
 import inspect
@@ -27,11 +27,13 @@ import threading
 
 import torch
 
-from xladist import _ps_task, _rpc, _runtime
+from xladist import runtime as _runtime
+from xladist._nest import flatten, unflatten
+from xladist._ps import rpc as _rpc
+from xladist._ps import task as _ps_task
 from xladist.input.dataset import DistributedDataset
 from xladist.input.options import InputContext
 from xladist.strategies import parameter_server as ps
-from xladist.values import flatten, unflatten
 
 _lock = threading.Lock()  # one function or resource call at a time on a worker
 _state = {"worker": None}
@@ -137,7 +139,7 @@ class _Run:
     if not writes:
       return
     _runtime.sync()
-    now = _runtime._xlac()._xla_get_cpu_tensors([t.detach() for _, t, _ in writes])
+    now = _runtime.to_host([t.detach() for _, t, _ in writes])
     items = []
     for (info, _, before), value in zip(writes, now):
       if torch.equal(value, before):
@@ -205,7 +207,7 @@ class RemoteOptimizer:
     if not params:
       return loss
     _runtime.sync()  # one program: the step so far, gradients included
-    grads = _runtime._xlac()._xla_get_cpu_tensors([p.grad for p in params])
+    grads = _runtime.to_host([p.grad for p in params])
     items = []
     for p, hyper, grad in zip(params, hypers, grads):
       info = self._infos[id(p)]
@@ -240,7 +242,7 @@ def _to_host(out):
   xla = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.device.type == "xla"]
   if xla:
     _runtime.sync()
-    host = _runtime._xlac()._xla_get_cpu_tensors([leaves[i].detach() for i in xla])
+    host = _runtime.to_host([leaves[i].detach() for i in xla])
     for i, h in zip(xla, host):
       leaves[i] = h
   leaves = [x.detach() if isinstance(x, torch.Tensor) else x for x in leaves]

@@ -1,4 +1,4 @@
-"""The sharded checkpoint: a directory written by torch.distributed.checkpoint (see checkpoint.py).
+"""The sharded checkpoint: a directory written by torch.distributed.checkpoint (see __init__.py).
 
 PyTorch's distributed checkpoint (DCP) plans which process writes which part of
 every tensor; each process writes its parts to its own files
@@ -40,8 +40,8 @@ import warnings
 
 import torch
 
-from xladist import _multihost, _runtime
-from xladist._checkpoint_io import (
+from xladist import runtime as _runtime
+from xladist.checkpoint.file_io import (
   VERSION,
   digest,
   fsync_dir,
@@ -51,6 +51,7 @@ from xladist._checkpoint_io import (
   to_meta,
   write_atomic,
 )
+from xladist.cluster_resolver import _multihost
 
 FORMAT = "xladist.checkpoint.sharded"
 MANIFEST = "xladist.pt"
@@ -91,8 +92,8 @@ def _dcp():
   import torch.distributed.checkpoint as dcp
   from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
   from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
-  from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDSavePlanner
-  from torch_xla.experimental.distributed_checkpoint._helpers import set_element
+
+  SPMDSavePlanner, SPMDLoadPlanner, set_element = _runtime.checkpoint_planners()
 
   class SavePlanner(SPMDSavePlanner):
     """torch_xla's planner, but a tensor that several hosts hold (replicated)
@@ -308,7 +309,7 @@ def save(path, objects, rng, api):
   Args:
     objects: name -> {"kind", "value" (tensors where they live, XLA or CPU),
       and "class" for modules and stateful objects}.
-    rng: the generator states (`_checkpoint_io.rng_state()`).
+    rng: the generator states (`file_io.rng_state()`).
   """
   dcp, SavePlanner, _, Writer, _ = _dcp()
   distributed = _hosts(api)
@@ -466,23 +467,10 @@ def fresh_tensors(layout, likes):
       and like.dtype == meta.dtype
       and _is_sharded(like)
     ):
-      import torch_xla
-
-      t = torch.empty(meta.shape, dtype=meta.dtype, device=like.device)
-      torch_xla._XLAC._xla_mark_sharding(t, torch_xla._XLAC._get_xla_op_sharding(like))
-      return t
+      return _runtime.empty_sharded_like(meta.shape, meta.dtype, like)
     return torch.empty(meta.shape, dtype=meta.dtype)
 
   return map_tensors(fresh, layout, with_path=True)
 
 
-def _is_sharded(t):
-  """Whether the XLA tensor `t` is split over the devices (not whole on each)."""
-  import torch_xla
-  import torch_xla.distributed.spmd as xs
-
-  kind = torch_xla._XLAC._get_xla_sharding_type(t)
-  return kind is not None and xs.ShardingType(kind) in (
-    xs.ShardingType.TILED,
-    xs.ShardingType.PARTIAL,
-  )
+_is_sharded = _runtime.is_sharded

@@ -36,8 +36,8 @@ import dataclasses
 import os
 import threading
 
-from xladist import _runtime
 from xladist import cluster_resolver as resolvers
+from xladist import runtime as _runtime
 from xladist.input.sharding import host_replica_ids
 
 DEFAULT_JOIN_TIMEOUT_SECONDS = 600.0
@@ -309,10 +309,7 @@ def _join_message(cluster, api, timeout_seconds, env):
 
 
 def _process_count_index():
-  _runtime.initialize()
-  import torch_xla.runtime as xr
-
-  return xr.process_count(), xr.process_index()
+  return _runtime.process_count_index()
 
 
 def initialize(cluster_resolver, api, timeout_seconds=None):
@@ -350,8 +347,8 @@ def initialize(cluster_resolver, api, timeout_seconds=None):
         "for another cluster. Reuse that cluster's resolver."
       )
     if cluster.num_workers > 1:
-      env = runtime_env(cluster, _runtime._detect_device_type(), api)
-    if cluster.num_workers > 1 and _runtime._state is None:
+      env = runtime_env(cluster, _runtime.device_type(), api)
+    if cluster.num_workers > 1 and not _runtime.is_initialized():
       apply_env(env, os.environ, api)
       timeout = DEFAULT_JOIN_TIMEOUT_SECONDS if timeout_seconds is None else timeout_seconds
       count, index = _runtime.call_with_timeout(
@@ -461,10 +458,8 @@ def place_host_rows(tensors, replica_ids, num_replicas):
   """
   if len(replica_ids) == num_replicas:
     return _runtime.place_split_many(tensors)
-  import torch_xla
-
   order = local_shard_rows(
-    torch_xla._XLAC._xla_get_runtime_devices(),
+    _runtime.runtime_devices(),
     replica_ids,
     cores_per_replica=_runtime.cores_per_replica(num_replicas),
   )
@@ -482,12 +477,10 @@ def local_components(stacked, replica_ids, num_replicas):
   Raises:
     RuntimeError: a replica of `replica_ids` has no device on this host.
   """
-  import torch_xla
-
   _runtime.sync([stacked])
   _runtime.wait(host_timeout(), "experimental_local_results: the step that makes the value")
   k = _runtime.cores_per_replica(num_replicas)
-  shards = torch_xla._XLAC._get_local_shards([stacked])[0]
+  shards = _runtime.local_shards(stacked)
   rows = {}
   for (shard, _), device_id in zip(
     shards, _device_ids([d for _, d in shards], "experimental_local_results")
@@ -504,14 +497,12 @@ def local_components(stacked, replica_ids, num_replicas):
 
 def from_local_shards(tensors, order, num_replicas):
   """Global (num_replicas, ...) tensors from this host's rows, row `order[d]` on local device d."""
-  import torch_xla
-
   out = []
   for t in tensors:
     t = t.detach().contiguous()
     shards = [t[i : i + 1] for i in order]
     out.append(
-      torch_xla._XLAC._global_tensor_from_cpu_shards(
+      _runtime.global_from_local_shards(
         shards, _runtime.replica_sharding(t.dim(), num_replicas), [num_replicas] + list(t.shape[1:])
       )
     )

@@ -1,4 +1,17 @@
-"""Random numbers inside a step: each replica its own, the global batch's draw.
+"""Random numbers of steps: the one seed rule, and each replica its own draw.
+
+The seed rule (one place for it, whether a step is traced or replayed):
+
+* torch_xla's seed follows `torch.manual_seed` (`follow_torch_seed`, before
+  each step; a checkpoint restore sets both and only moves what was seen);
+* a step's random ops start from torch_xla's running seed, which becomes the
+  base seed at the step's start when random ops ran since the last sync, and
+  a replayed step's draws are accounted for without tracing (`_Seeds`,
+  `STEP_SEEDS`; replay.py asks it at each step);
+* inside a step each replica draws its own rows of the global batch's draw
+  (below).
+
+Per-replica draws:
 
 All replicas are traced into one program whose random-number seed is one
 replicated value, so a plain `F.dropout` inside `strategy.run` draws the same
@@ -14,7 +27,7 @@ S[0]). So:
   in a step with N replicas of b rows masks exactly as dropout on the
   N * b rows of the global batch on one device, whatever N is;
 * the draws follow torch_xla's seed, which follows `torch.manual_seed`
-  (`_runtime.follow_torch_seed`).
+  (`follow_torch_seed`).
 
 The cost is N times the random-number work of the step (the draws are made for
 all replicas on every device), which is small next to the matrix work of a
@@ -28,6 +41,103 @@ import torch
 import torch.nn.functional as F
 
 from xladist import collectives
+from xladist import runtime as _runtime
+
+# torch_xla 2.9's seed arithmetic (uint64): each random op of a traced graph
+# takes the next "running" seed (XLAGraphExecutor's GetRngSeed).
+_MASK = (1 << 64) - 1
+_RUN_MUL, _RUN_ADD = 214013, 2531011
+_MAX_DRAWS = 1 << 16  # random ops of one step that a capture accepts
+
+
+_torch_seed_seen = [None]
+
+
+def follow_torch_seed(reseed=True):
+  """Makes torch_xla's random-number seed follow `torch.manual_seed`.
+
+  torch_xla keeps a seed of its own (torch.manual_seed does not set it, checked
+  on torch_xla 2.9), so dropout in a step would not follow the user's seed.
+  Called before each traced step: when torch's seed (`torch.initial_seed()`)
+  differs from the one last seen, the runtime's seed is set to it. With
+  `reseed=False` (after a checkpoint restored both) only the seen value moves.
+  """
+  seed = torch.initial_seed()
+  if seed != _torch_seed_seen[0]:
+    _torch_seed_seen[0] = seed
+    if reseed:
+      _runtime.set_running_seed(seed % (2**63))
+
+
+def _run_n(seed, n):
+  for _ in range(n):
+    seed = (_RUN_ADD + _RUN_MUL * seed) & _MASK
+  return seed
+
+
+def draws_between(start, end):
+  """How many random ops take `start` to `end` (None: not within _MAX_DRAWS)."""
+  seed = start
+  for n in range(_MAX_DRAWS + 1):
+    if seed == end:
+      return n
+    seed = (_RUN_ADD + _RUN_MUL * seed) & _MASK
+  return None
+
+
+class _Seeds:
+  """torch_xla's random-number seed around xladist's steps (one per process).
+
+  torch_xla keeps a base seed, moved on by every `torch_xla.sync()` (MarkStep),
+  and a running seed, moved on by every random op traced since; a traced graph
+  takes the base seed as a parameter and derives each op's seed from it. So a
+  step traced after random ops of earlier steps (no sync between) carries their
+  seed arithmetic in its graph, and would make a new program at every step.
+
+  xladist's rule, the same whether a step is traced or replayed (so that the
+  two agree bit for bit): a step's random ops start from the running seed, and
+  when random ops ran since the last sync (the running seed moved away from the
+  base), that running seed becomes the base seed at the step's start
+  (`start_step`). A replay does not advance torch_xla's running seed: what it
+  consumed is kept here (`virtual`) for the next step, or dropped by the next
+  sync, which moves the base on as it would after the traced step.
+
+  Not covered (documented): random draws on the XLA device outside
+  `strategy.run` after a replayed step and before the next sync start from the
+  seed the replayed step started from.
+  """
+
+  def __init__(self):
+    self.marks = None  # MarkStep count when last looked
+    self.base = None  # the base seed, as far as xladist knows
+    self.left = None  # the running seed xladist last left torch_xla with
+    self.virtual = None  # the running seed after a replay with random ops, or None
+
+  def start_step(self):
+    """The seed the step's random ops start from (see the class docstring)."""
+    marks = _runtime.sync_count()
+    running = _runtime.running_seed()
+    if marks != self.marks or running != self.left:
+      # A sync moved the base on, or the seed was set (torch.manual_seed, a
+      # checkpoint restore), or random ops ran outside a step: start afresh.
+      self.marks, self.base, self.left, self.virtual = marks, running, running, None
+    seed = running if self.virtual is None else self.virtual
+    self.virtual = None
+    if seed != self.base:
+      _runtime.set_running_seed(seed)
+      self.base = self.left = seed
+    return seed
+
+  def after_trace(self):
+    self.left = _runtime.running_seed()
+    return self.left
+
+  def after_replay(self, seed, draws):
+    if draws:
+      self.virtual = _run_n(seed, draws)
+
+
+STEP_SEEDS = _Seeds()  # the process's one seed rule for steps (traced or replayed)
 
 
 def _global_shape(shape, n):

@@ -22,7 +22,9 @@ import sys
 import torch
 from torch.overrides import TorchFunctionMode
 
-from xladist import _runtime, _step_random, context
+from xladist import context
+from xladist import runtime as _runtime
+from xladist._step import seeds as _step_random
 
 # Tensor methods that read a value on the host. Inside a step they raise before
 # torch_xla tries to execute: a refused execution leaves every tensor it was

@@ -1,11 +1,11 @@
 """What a checkpoint holds of each object, and how a saved value is checked and
-applied (see checkpoint.py; shared by its file and sharded formats)."""
+applied (see __init__.py; shared by its file and sharded formats)."""
 
 import copy
 
 import torch
 
-from xladist._checkpoint_io import api_name, check_plain
+from xladist.checkpoint.file_io import api_name, check_plain
 from xladist.input import order
 from xladist.input.dataset import DistributedDataset, DistributedIterator
 from xladist.variable_store import copies_of
@@ -39,10 +39,8 @@ def kind_of(name, obj):
 
 
 def apply(ckpt, name, kind, obj, value):
-  if kind in (MODULE, STATEFUL):
+  if kind in (MODULE, STATEFUL, ITERATOR):
     obj.load_state_dict(value)
-  elif kind == ITERATOR:
-    obj._restart_at(value["position"], value.get("order"), api_name("restore"))
   elif kind == TENSOR:
     with torch.no_grad():
       obj.copy_(value)
@@ -80,10 +78,11 @@ def snapshot(ckpt, name, kind, obj):
 
     return undo_tensor
   if kind == ITERATOR:
-    position, epoch_order, host = obj._position, obj._order, order.host_rng_state()
+    # Not state_dict(): it refuses persistent workers, which a restore allows.
+    state, host = obj._state(), order.host_rng_state()
 
     def undo_iterator():
-      obj._restart_at(position, epoch_order)
+      obj.load_state_dict(state)
       order.set_host_rng_state(host)
 
     return undo_iterator
@@ -134,32 +133,7 @@ def check_entry(path, name, kind, obj, value, saved_class=None):
         f"{tuple(obj.shape)}; restore into a tensor of the saved shape."
       )
   elif kind == ITERATOR:
-    if "order" in value:
-      order.check(obj._sources, value["order"], where)
-    layout = obj._layout
-    if layout.max_elements is not None and value["position"] > layout.max_elements:
-      raise ValueError(
-        f"{where} is the iterator position {value['position']} (elements already "
-        f"taken in its epoch), but the dataset has at most {layout.max_elements} "
-        "elements in an epoch now: it is shorter than when the checkpoint was "
-        "saved. Restore with the dataset the checkpoint was made with."
-      )
-    if not value["global_batches"] and value["num_replicas"] != layout.num_replicas:
-      raise ValueError(
-        f"{where} is the position of a distribute_datasets_from_function iterator "
-        f"with {value['num_replicas']} replicas, restored into one with "
-        f"{layout.num_replicas}; its elements are per-replica batches, so the "
-        "position means other data with another replica count. Restore with "
-        f"{value['num_replicas']} replicas, or use experimental_distribute_dataset "
-        "(positions in global batches)."
-      )
-    if layout.global_batches != value["global_batches"]:
-      kinds = {True: "experimental_distribute_dataset", False: "distribute_datasets_from_function"}
-      raise ValueError(
-        f"{where} is the position of an {kinds[value['global_batches']]} iterator, "
-        f"restored into an {kinds[layout.global_batches]} one; restore into an "
-        "iterator of the same kind of dataset."
-      )
+    obj._check_state(value, where)
 
 
 def check_optimizer(where, optimizer, value):

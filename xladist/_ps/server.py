@@ -6,8 +6,8 @@ training program runs on the chief, which sends the workers the functions to
 run and the ps tasks the variables to hold. Here a server is a member of the
 cluster's torch.distributed.rpc group (TensorPipe): the chief hosts the
 rendezvous at its address in the cluster spec; a ps task answers variable
-reads and updates (`xladist/_ps_task.py`); a worker runs scheduled functions on
-its XLA device(s) (`xladist/_ps_worker.py`).
+reads and updates (`xladist/_ps/task.py`); a worker runs scheduled functions on
+its XLA device(s) (`xladist/coordinator/_worker.py`).
 
 Example, on each worker and ps host (TF_CONFIG names the task)::
 
@@ -22,8 +22,9 @@ import os
 import threading
 import time
 
-from xladist import _rpc, _runtime
-from xladist._cluster_spec import ClusterSpec
+from xladist import runtime as _runtime
+from xladist._ps import rpc as _rpc
+from xladist.cluster_resolver import ClusterSpec
 
 _stop_event = threading.Event()
 _POLL_SECONDS = 1.0  # how often join() checks that the chief is still there
@@ -130,7 +131,7 @@ class Server:
     if self._started:
       return
     if self._job == "worker":
-      if _runtime._detect_device_type() == "CPU":
+      if _runtime.device_type() == "CPU":
         os.environ.setdefault("CPU_NUM_DEVICES", "1")
       _runtime.initialize()
     else:

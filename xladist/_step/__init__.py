@@ -1,0 +1,1 @@
+"""The step: one `strategy.run` traced into one program (see engine.py)."""

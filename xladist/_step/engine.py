@@ -1,0 +1,277 @@
+"""The step engine of the SPMD strategies: one `strategy.run`, in three phases.
+
+MirroredStrategy, MultiWorkerMirroredStrategy, TPUStrategy and
+CentralStorageStrategy run every step through a `StepEngine` (the extended
+object of each owns one, `extended._engine`; a strategy that needs more work
+around a step declares its own engine class, `extended._engine_class`):
+
+(a) collect: the step's arguments are placed with the region's sharding
+    (`Region.enter_value`: host values and tensors of other placements), the
+    variables made since the last step are placed (`VariableStore.
+    place_pending`), and the global value of every variable, gradient,
+    optimizer slot and sync-on-read component is recorded with its identity
+    (`VariableStore.enter`: `Step.variables`, `Step.watch`);
+(b) run the body: `fn` is traced once for all replicas in a manual region,
+    each variable bound to its replica-local view, in a replica context, with
+    host reads refused (`runtime.no_execution`) and torch_xla's own idioms made
+    safe (`xm_idioms.guarded`); `optimizer.step()` aggregates the gradients
+    first (`before_optimizer_step`), as does torch's gradient clipping
+    (`aggregate_for_clipping`);
+(c) write back: the outputs leave the region as PerReplica or replicated
+    global values (`Region.exit_value`), every variable gets its global value
+    back, written ones with their new value after the write rules
+    (`VariableStore.exit`), and tensors made in the step are invalidated
+    (`StepTensors.release`). A step that fails puts back what it touched
+    (`VariableStore.restore`).
+
+With replay (`replay.py`), once the traced program of a step is known, (b)
+is skipped: the program runs again on the new inputs.
+"""
+
+import sys
+import traceback
+
+import torch
+from torch.optim import optimizer as torch_optimizer
+
+from xladist import context
+from xladist import runtime as _runtime
+from xladist._nest import flatten, tree_map, unflatten
+from xladist._step import seeds
+from xladist._step.grad_clip import ensure_installed as _ensure_clipping_hook
+from xladist._step.region import HOST_READ_MESSAGE, Region
+from xladist._step.replay import PLACED, Replayer
+from xladist._step.tensors import StepTensors, describe_fn
+from xladist._step.xm_idioms import guarded as _xm_guarded
+from xladist.replica_context import ReplicaContext
+from xladist.values import PerReplica
+
+
+class StepEngine:
+  """Runs the steps of one SPMD strategy (see the module docstring).
+
+  Args:
+    extended: the strategy's StrategyExtended; the engine reads its
+      variable store, compile watch, replica iota and gradient aggregation.
+  """
+
+  def __init__(self, extended):
+    self._ext = extended
+    self.region = None  # the Region of the step being traced, else None
+    self._replayer = None
+
+  # -- what a strategy declares ----------------------------------------------------------
+  def replay_gap(self):
+    """Why this strategy's steps are not replayed, or None when they are."""
+    ext = self._ext
+    if ext._cores_per_replica > 1:
+      return "several logical devices per replica (TPUStrategy) are not replayed yet"
+    if getattr(ext, "_host_replicas", None) is not None:
+      return "several hosts are not replayed yet (every host must decide alike)"
+    return None
+
+  # -- one step ---------------------------------------------------------------------------
+  def run(self, fn, args, kwargs, options):
+    """`strategy.run(fn, args, kwargs, options)` outside any step."""
+    ext = self._ext
+    store = ext._store
+    _ensure_clipping_hook()
+    placed = bool(store._pending)
+    store.place_pending()
+    seeds.follow_torch_seed()
+    # Replay: once the step's program is known, run it without tracing fn;
+    # otherwise trace, and capture the traced program.
+    if self._replayer is None:
+      self._replayer = Replayer(ext, self.replay_gap())
+    out, attempt = self._replayer.run(
+      fn, args, kwargs, ext._compile_watch, PLACED if placed else options
+    )
+    if attempt is None:
+      return out
+    if attempt.args is not None:
+      args, kwargs = attempt.args, attempt.kwargs
+    region = Region(ext._strategy_ref, ext._replica_iota, ext._device_iota, ext._all_reduce_local)
+    step = region.step
+    made = StepTensors(region)
+    hooks = (
+      torch_optimizer.register_optimizer_step_pre_hook(self._before_optimizer_step),
+      torch_optimizer.register_optimizer_step_post_hook(self._after_optimizer_step),
+    )
+    self.region = region
+    try:
+      # Only frames below this one hold replica-local views (see _clear_step_frames).
+      out = self.trace(fn, args, kwargs, region, made)
+    except _runtime.HostReadInStep as e:
+      attempt.abandon()
+      store.restore(step)
+      _clear_step_frames(e.__traceback__)
+      raise RuntimeError(HOST_READ_MESSAGE.format(detail=str(e))) from None
+    except BaseException as e:
+      attempt.abandon()
+      store.restore(step)
+      _clear_step_frames(e.__traceback__)
+      raise
+    finally:
+      for hook in hooks:
+        hook.remove()
+      keep = {id(t) for t, *_ in step.variables}
+      region.close()
+      self.region = None
+      del step
+      made.release(keep, describe_fn(fn))
+    return attempt.finish(out)
+
+  def trace(self, fn, args, kwargs, region, made):
+    """Phases (a) to (c) of a traced step: enter the region, trace `fn` once
+    for all replicas, leave the region."""
+    ext = self._ext
+    strategy, store, step = ext._strategy_ref, ext._store, region.step
+    leaves, spec = flatten((args, kwargs))
+    entered = [region.enter_value(x) for x in leaves]
+    for t in entered:
+      made.track(t)
+    local_args, local_kwargs = unflatten(spec, entered)
+    del entered
+    # Global tensors this strategy keeps are made before `made` records.
+    ext._replica_iota()
+    if ext._cores_per_replica > 1:
+      ext._device_iota()
+    store.enter(step)
+    mode = context._Mode(strategy, replica_context=ReplicaContext(strategy, region))
+    context.push(mode)
+    try:
+      with _runtime.no_execution(), _xm_guarded(), made:
+        out = fn(*local_args, **local_kwargs)
+    finally:
+      context.pop(mode)
+    leaves, spec = flatten(out)
+    result = unflatten(spec, [region.exit_value(x) for x in leaves])
+    store.exit(step, region.global_replicated)
+    return result
+
+  def call_in_merge(self, fn, args, kwargs):
+    """call_for_each_replica inside merge_fn (TF allows it): the step's replicas
+    run `fn` again, each with its own components; results come back in the
+    merge_call form of PerReplica."""
+    strategy, region = self._ext._strategy_ref, self.region
+    local_args, local_kwargs = tree_map(region.local_of, (args, kwargs))
+    mode = context._Mode(strategy, replica_context=ReplicaContext(strategy, region))
+    context.push(mode)
+    try:
+      out = fn(*local_args, **local_kwargs)
+    finally:
+      context.pop(mode)
+    return tree_map(
+      lambda x: PerReplica._from_local(x, region) if isinstance(x, torch.Tensor) else x, out
+    )
+
+  # -- gradients ---------------------------------------------------------------------------
+  def _in_this_step(self):
+    """The replica context of this engine's step, or None."""
+    ctx = context.get_replica_context()
+    if self.region is None or ctx is None or ctx.strategy is not self._ext._strategy_ref:
+      return None
+    return ctx
+
+  def _before_optimizer_step(self, optimizer, args, kwargs):
+    ctx = self._in_this_step()
+    if ctx is not None:
+      self.before_optimizer_step(ctx, optimizer)
+
+  def _after_optimizer_step(self, optimizer, args, kwargs):
+    if self.region is not None:
+      self.after_optimizer_step(optimizer)
+
+  def _optimizer_params(self, optimizer, where):
+    """The optimizer's parameters with a gradient; refuses any that is not a
+    variable of this strategy (`where`: what holds the variables)."""
+    step = self.region.step
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    foreign = [tuple(p.shape) for p in params if not step.is_variable(p)]
+    if foreign:
+      raise RuntimeError(
+        f"optimizer.step() in strategy.run: {len(foreign)} of the optimizer's "
+        f"parameters (shapes {foreign[:3]}...) are not variables of "
+        f"{self._ext._strategy_ref!r}. Create the model under strategy.scope() so that "
+        f"{where}."
+      )
+    return params
+
+  def before_optimizer_step(self, ctx, optimizer):
+    """optimizer.step() in a replica context: aggregate the gradients first."""
+    store, step = self._ext._store, self.region.step
+    if store.track_optimizer(optimizer):
+      store.enter_optimizer(optimizer, step)
+    params = self._optimizer_params(optimizer, "its parameters are mirrored on every replica")
+    step.stepped.update(id(p) for p in params)
+    # Mirrored variables with an aggregation that the optimizer updates are
+    # updated identically on every replica (from aggregated gradients).
+    step.optimizer_clean[id(optimizer)] = step.clean([p for p in params if step.is_aggregated(p)])
+    self.aggregate_gradients(ctx, params, "optimizer.step()")
+
+  def after_optimizer_step(self, optimizer):
+    step = self.region.step
+    step.sanction(step.optimizer_clean.pop(id(optimizer), ()))
+
+  def aggregate_for_clipping(self, ctx, tensors):
+    """torch's gradient clipping inside this step (`_grad_clip.py`): the
+    gradients of variables in the list `tensors` are aggregated across
+    replicas and replace the local ones, in the list and in `.grad`."""
+    if self._in_this_step() is None or self._ext.experimental_gradient_aggregation is None:
+      return
+    owner = {id(t.grad): t for t, *_ in self.region.step.variables if t.grad is not None}
+    params = [owner.get(id(t)) for t in tensors]
+    found = [p for p in params if p is not None]
+    if not found:
+      return
+    self.aggregate_gradients(ctx, found, "torch.nn.utils gradient clipping")
+    for i, p in enumerate(params):
+      if p is not None:
+        tensors[i] = p.grad
+
+  def aggregate_gradients(self, ctx, params, api):
+    """Replaces each parameter's local gradient by its aggregate across replicas
+    (the strategy's experimental_gradient_aggregation; one merge_call, packed
+    into few all-reduces), except those aggregated earlier in this step (by
+    gradient clipping)."""
+    op = self._ext.experimental_gradient_aggregation
+    done = self.region.step.aggregated_grads
+    todo = []
+    for p in params:
+      if p.grad is None:
+        continue
+      if id(p) not in done:
+        todo.append(p)
+      elif done[id(p)] is not p.grad:
+        raise RuntimeError(
+          f"{api} in strategy.run: a gradient was replaced after gradient clipping "
+          "had aggregated it across replicas in this step (e.g. another backward() "
+          "with set_to_none, or an assignment to .grad), so xladist cannot tell "
+          "whether it is a per-replica or an aggregated value. Clip right before "
+          "optimizer.step(), after every backward() of the step."
+        )
+    if op is None or not todo:
+      return
+
+    def merge_fn(strategy, *grads):
+      return strategy.extended.batch_reduce_to(op, [(g, g) for g in grads])
+
+    reduced = ctx.merge_call(merge_fn, args=[p.grad for p in todo])
+    for p, g in zip(todo, reduced):
+      p.grad = g
+      done[id(p)] = g
+
+
+def _clear_step_frames(tb):
+  """Clears the locals of the finished frames below `StepEngine.run` in a traceback.
+
+  They hold replica-local views of the step's tensors; reading one after the
+  step (a traceback printer showing arguments, e.g. pytest's long tracebacks,
+  or a debugger) makes torch_xla 2.9 abort the process ("Check failed:
+  !IsManual()"). The traceback keeps its files, lines and source.
+  """
+  here = sys._getframe(1)  # StepEngine.run
+  while tb is not None and tb.tb_frame is not here:
+    tb = tb.tb_next
+  if tb is not None:
+    traceback.clear_frames(tb.tb_next)  # skips frames still running (generators)
