@@ -461,7 +461,7 @@ def bench_model(name, strategy, replay_strategy, args):
   diff_manual = max(float((p - q).abs().max()) for p, q in zip(xd_p, hm_p))
   rp_p = [p.detach().cpu() for p in variants[3].model.parameters()]
   diff_replay = max(float((p - q).abs().max()) for p, q in zip(xd_p, rp_p))
-  replayer = replay_strategy.extended.__dict__.get("_replayer")
+  replayer = replay_strategy.extended._engine._replayer
   moved = max(float((p - q).abs().max()) for p, q in zip(hw_p, init))
   scale = max(float(p.abs().max()) for p in hw_p)
 

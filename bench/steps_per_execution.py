@@ -111,7 +111,7 @@ def main(argv=None):
   expected = args.rounds * sum(args.steps // k for k in ks)
   if args.replay:  # one execution per replayed step
     expected = args.rounds * len(ks) * args.steps
-  replayer = strategy.extended.__dict__.get("_replayer")
+  replayer = strategy.extended._engine._replayer
 
   print(
     f"{n} replicas, per-replica batch {b}, {args.steps} steps per round, "
