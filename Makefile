@@ -17,7 +17,7 @@ TORCH_INDEX_URL ?=
 RUN := $(PY)
 CPU_ENV := PJRT_DEVICE=CPU CPU_NUM_DEVICES=4
 
-.PHONY: venv demo charlm demo-ps bench-ps test lint bench bench-input bench-collectives bench-logical \
+.PHONY: venv venv-jax test-jax demo charlm demo-ps bench-ps test lint bench bench-input bench-collectives bench-logical \
 	bench-first-step bench-checkpoint plots clean-venv
 
 venv: $(STAMP)
@@ -45,7 +45,31 @@ demo-ps: venv
 LINT_PATHS := xladist tests bench examples
 
 test: venv lint
-	$(CPU_ENV) $(RUN) -m pytest -q tests
+	$(CPU_ENV) $(RUN) -m pytest -q tests --ignore=tests/runtime_jax
+	$(MAKE) test-jax
+
+# The jax runtime's pieces (xladist/runtime/torchax_fixes.py) are tested in an
+# environment of their own: torchax cannot share torch_xla's (torch_xla 2.9.0
+# bundles an old torchax). Versions checked: torch 2.9.0, jax 0.10.2, torchax
+# 0.0.13 (the jax runtime does not need torch_xla, nor torch 2.9 itself).
+XLADIST_JAX_VENV ?= $(HOME)/.cache/xladist/venv-jax-torch2.9.0-jax0.10.2-torchax0.0.13-py$(PYVER)
+JAX_PY := $(XLADIST_JAX_VENV)/bin/python
+JAX_REQUIREMENTS := "torch==2.9.0" numpy "optree>=0.13" "cloudpickle>=3.0" "jax[cpu]==0.10.2" "torchax==0.0.13" \
+	"optax>=0.2" "pytest>=8" "hypothesis>=6.100"
+JAX_STAMP := $(XLADIST_JAX_VENV)/.xladist-$(shell (sha1sum pyproject.toml Makefile; echo '$(CURDIR)') | sha1sum | cut -c1-12)
+
+venv-jax: $(JAX_STAMP)
+
+$(JAX_STAMP): pyproject.toml Makefile
+	@test -x $(JAX_PY) || $(PYTHON) -m venv $(XLADIST_JAX_VENV)
+	$(JAX_PY) -m pip install --quiet --upgrade pip
+	$(JAX_PY) -m pip install --quiet $(JAX_REQUIREMENTS)
+	$(JAX_PY) -m pip install --quiet --no-deps --editable "$(CURDIR)"
+	@rm -f $(XLADIST_JAX_VENV)/.xladist-*
+	@touch $@
+
+test-jax: venv-jax
+	JAX_PLATFORMS=cpu $(JAX_PY) -m pytest -q tests/runtime_jax
 
 # Style (ruff, settings in pyproject.toml) and the one-way layers of the package
 # (import-linter's contracts in pyproject.toml).

@@ -88,7 +88,6 @@ def measure(num_workers, closures, repeats):
     PJRT_DEVICE="CPU",
     CPU_NUM_DEVICES="1",
     OMP_NUM_THREADS="1",
-    TORCH_CPP_LOG_LEVEL="ERROR",
   )
   here = os.path.abspath(__file__)
   procs = [

@@ -1,6 +1,8 @@
-"""What the parameter-server tests run on workers (importable there: scheduled
-functions travel by reference)."""
+"""What the parameter-server tests run on workers: top-level functions, which
+travel by reference (the workers import this module); the tests' closures
+travel by value."""
 
+import itertools
 import time
 
 import torch
@@ -87,3 +89,30 @@ def count_slowly(counter, index, seconds):
 
 def read_value(v):
   return v.value * 1.0
+
+
+def repeat_batch(x, y):
+  """A dataset_fn (with functools.partial): the same batch, endlessly."""
+  return itertools.repeat((x, y))
+
+
+def tutorial_step(model, optimizer, steps, iterator):
+  """TF's tutorial step as a top-level function: everything comes as arguments."""
+  strategy = xd.get_strategy()
+
+  def replica_fn(x, y):
+    loss = F.mse_loss(model(x), y)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+  x, y = next(iterator)
+  loss = strategy.run(replica_fn, args=(x, y))
+  steps.assign_add(1.0)
+  return loss
+
+
+def make_counter():
+  """A per-worker value: a list holding one count."""
+  return [0]

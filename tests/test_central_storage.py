@@ -302,3 +302,63 @@ def test_bad_arguments_raise_clear_errors():
     xd.experimental.CentralStorageStrategy(communication_options=3)
   s = xd.experimental.CentralStorageStrategy(parameter_device="cpu")
   assert s.extended.parameter_devices == ("cpu",)
+
+
+def test_a_read_after_optimizer_step_in_the_same_step_is_refused(central):
+  """Issue 24: the update runs on the host after the step's program, so a
+  parameter read after optimizer.step() inside the same step would see the
+  old value (MirroredStrategy's sees the new one). It raises instead, naming
+  the parameter; reads before the step, zero_grad() after it, parameters the
+  step did not update, and reads in the next run work (the next run sees the
+  updated values, as plain PyTorch)."""
+  torch.manual_seed(0)
+  ref = torch.nn.Linear(3, 2)
+  with central.scope():
+    model = torch.nn.Linear(3, 2)
+    head = torch.nn.Linear(2, 1)
+    model.load_state_dict(ref.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+  x = torch.randn(N, 3)
+  before = {k: v.clone() for k, v in model.state_dict().items()}
+
+  def second_forward(x):
+    loss = model(x).square().mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return model(x).sum()  # reads model.weight after the update
+
+  with pytest.raises(RuntimeError, match=r"reads the parameter weight after optimizer.step\(\)"):
+    central.run(second_forward, args=(_models.split(central, x),))
+  for k, v in model.state_dict().items():  # a refused step changes nothing
+    torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+
+  def returns_parameter(x):
+    model(x).square().mean().backward()
+    opt.step()
+    return model.bias
+
+  with pytest.raises(RuntimeError, match="the step function returns the parameter bias"):
+    central.run(returns_parameter, args=(_models.split(central, x),))
+
+  def good(x):
+    out = model(x)
+    loss = out.square().mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach(), head(out.detach()).sum()  # head was not updated
+
+  central.run(good, args=(_models.split(central, x),))
+  ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+  ref_opt.zero_grad()
+  ref(x).square().mean().backward()
+  ref_opt.step()
+
+  def forward(x):
+    return model(x)
+
+  out = central.run(forward, args=(_models.split(central, x),))
+  got = torch.cat([o.cpu() for o in central.experimental_local_results(out)])
+  torch.testing.assert_close(got, ref(x).detach(), rtol=1e-5, atol=1e-5)

@@ -451,6 +451,37 @@ def test_iterator_of_distribute_datasets_from_function(strategy, tmp_path, fmt):
     xc.Checkpoint(iterator=other).restore(path)
 
 
+def test_iterator_of_per_replica_scalars_from_shuffled_loaders(strategy, tmp_path, fmt):
+  """Issue 23: per-replica elements without a batch dim (each replica gets its
+  own 0-d element) resume where they were saved, in the saved shuffle order
+  (TF: tensorflow/python/data/kernel_tests/checkpoint_test.py
+  testSaveRestoreOneShotIterator; mirrored_strategy_test.py testReplicateDataset
+  for the elements)."""
+
+  def dataset_fn(ctx):
+    g = torch.Generator().manual_seed(7 + ctx.input_pipeline_id)
+    data = [100 * ctx.input_pipeline_id + i for i in range(6)]  # Python ints: int64 tensors
+    return torch.utils.data.DataLoader(data, batch_size=None, shuffle=True, generator=g)
+
+  options = xd.InputOptions(experimental_replication_mode=xd.InputReplicationMode.PER_REPLICA)
+  dist = strategy.distribute_datasets_from_function(dataset_fn, options)
+
+  def values(x):
+    assert all(v.shape == () and v.dtype == torch.int64 for v in x.values)
+    return [int(v) for v in strategy.experimental_local_results(x)]
+
+  with iter(dist) as it:
+    seen = [values(next(it)) for _ in range(2)]
+    path = xc.Checkpoint(iterator=it).save(str(tmp_path / _name("c", fmt)), options=_options(fmt))
+    rest = [values(x) for x in it]
+  assert len(rest) == 4
+  for r in range(4):  # each replica saw a permutation of its own pipeline
+    assert sorted(step[r] for step in seen + rest) == [100 * r + i for i in range(6)]
+  with iter(dist) as fresh:
+    xc.Checkpoint(iterator=fresh).restore(path)
+    assert [values(x) for x in fresh] == rest
+
+
 def test_iter_draws_the_dataloader_seed_in_the_calling_thread(strategy):
   # A DataLoader's iter() draws from torch's global generator; done in the
   # prefetch thread it would land at a random point of the main thread's draws.

@@ -69,6 +69,67 @@ def test_logical_devices_train_like_the_global_batch(n):
     _models.assert_close_to_scale(r["final"], ref_state, 1e-5)
 
 
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_elements_without_a_batch_dim(n):
+  """tests/test_tf_input.py's cases on 1, 2 and 8 replicas (MirroredStrategy
+  over n devices): mirrored_strategy_test.py testReplicateDataset and
+  input_lib_test.py testTwoDevicesOneGPUOneCPU / testOneDeviceCPU (Dataset.range(10)
+  per worker: n consecutive scalars a step; with 8 the last 2 end the epoch, as
+  in TF), testTupleDataset, testIterableIterator (one replica:
+  experimental_distribute_dataset of scalars), testUnevenDatasetBatches
+  (Dataset.range(9).batch(2) per worker; TF's [[8], []] last step is refused by
+  default, masked with "mask", left out with "drop")."""
+  r = _worker_result(n)["input"]
+  assert r["spec"] == (torch.Size([]), torch.int64)
+  steps = 10 // n
+  assert r["scalars"] == [[s * n + i for i in range(n)] for s in range(steps)]
+  assert r["tuples"] == [
+    ([s * n + i for i in range(n)], [(s * n + i) ** 2 for i in range(n)]) for s in range(steps)
+  ]
+  assert r["run"] == [101 * i for i in range(n)]
+  assert r["local_type"] == "Tensor"
+  if n == 1:
+    assert r["distribute_dataset_error"] is None
+    assert r["distribute_dataset"] == [[i] for i in range(10)]
+  else:
+    assert "a batch holds a scalar tensor (tensor(0))" in r["distribute_dataset_error"]
+    assert f"to be split between the {n} replicas" in r["distribute_dataset_error"]
+  assert "last per-replica batch will have 1 examples, the others 2" in r["uneven_error"]
+  batches = [[2 * i, 2 * i + 1] for i in range(4)] + [[8, 0]]
+  masks = [[1.0, 1.0]] * 4 + [[1.0, 0.0]]
+  batches += [[0, 0]] * (-len(batches) % n)  # replicas after the data's end
+  masks += [[0.0, 0.0]] * (len(batches) - len(masks))
+  assert r["uneven_mask"] == [
+    (batches[s : s + n], masks[s : s + n]) for s in range(0, len(batches), n)
+  ]
+  full = 4 // n * n
+  assert r["uneven_drop"] == [batches[s : s + n] for s in range(0, full, n)]
+
+
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_tf_semantics_of_issue_23(n):
+  """The TF tests of issue 23 on 1, 2 and 8 replicas (MirroredStrategy over n
+  devices; 4 replicas, OneDeviceStrategy and the default strategy:
+  tests/test_tf_strategy.py, tests/test_tf_variables.py):
+  strategy_common_test.py ReduceTest.testBasic / StrategyTest.testMergeCallInitScope
+  with the default strategy in its scope and with n replicas,
+  StrategyLocalResultTest.testLocalResultForNestedStructWithoutTensor, tf.contrib
+  mirrored_strategy_multigpu_test.py testTowerLocalVariable,
+  mirrored_variable_test.py testAssignMirroredVarReplicaContextWithSum and
+  v1/cross_device_ops_test.py testReduceDistributedVariable."""
+  r = _worker_result(n)["tf_semantics"]
+  assert r["default_reduce"] == 1.0 and r["default_merge"] == [12]
+  assert r["merge"] == [12] * n
+  assert r["nest"] == ({"a": 1.0, "b": 2.0},) * n
+  assert r["tower_local"] == [[i + 3.0 for i in range(n)], [i * 6.0 for i in range(n)]]
+  assert r["fetch"] == [sum(i + 3.0 for i in range(n)), sum(i * 6.0 for i in range(n)) / n]
+  if n == 1:
+    assert r["assign_sum"] == 5.0
+  else:
+    assert "a non-DistributedValues value (float 5.0) cannot be reduced" in r["assign_sum"]
+  assert r["reduce_variable"] == ("Tensor" if n == 1 else "Mirrored", [True] * n)
+
+
 def test_torch_xla_used_without_spmd_first_is_a_clear_error():
   code = (
     "import torch, torch_xla\n"

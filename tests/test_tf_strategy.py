@@ -4,6 +4,7 @@ TF sources: tensorflow/python/distribute/{distribute_lib.py, mirrored_strategy.p
 distribute_utils.py, cross_device_ops.py} and the tests named in each docstring.
 """
 
+import contextlib
 import re
 
 import pytest
@@ -19,6 +20,20 @@ def _rid():
 
 class _UserError(Exception):
   pass
+
+
+def _strategy_of(kind, mirrored):
+  """TF's strategy_combinations in this process: the default strategy, a
+  OneDeviceStrategy and the 4-replica MirroredStrategy (1 and 2 replicas:
+  tests/test_device_counts.py)."""
+  if kind == "default":
+    return xd.get_strategy()
+  if kind == "one_device":
+    return xd.OneDeviceStrategy()
+  return mirrored
+
+
+_KINDS = ["default", "one_device", "mirrored"]
 
 
 def test_values_from_function_wrap_a_constant_in_a_per_replica(strategy):
@@ -52,7 +67,8 @@ def test_run_returns_host_tensors_made_in_fn_as_per_replica(strategy):
 
 def test_local_results_of_variables_and_nests(strategy):
   """strategy_common_test.py StrategyLocalResultTest.testLocalResultForNestedStruct
-  (a nest gives one structure per replica) and mirrored_variable_test.py
+  (a nest gives one structure per replica, also one without distributed values:
+  testLocalResultForNestedStructWithoutTensor) and mirrored_variable_test.py
   _test_mv_properties (a variable gives one component per replica)."""
   with strategy.scope():
     w = xd.Variable(2.0)
@@ -64,7 +80,8 @@ def test_local_results_of_variables_and_nests(strategy):
   assert isinstance(nests, tuple) and len(nests) == 4
   for r, nest in enumerate(nests):
     assert nest["x"].item() == r and nest["y"][0].item() == 2 * r and nest["y"][1] == 5
-  assert strategy.experimental_local_results({"a": 1}) == ({"a": 1},)
+  assert strategy.experimental_local_results({"a": 1}) == ({"a": 1},) * 4
+  assert strategy.experimental_local_results(1) == (1,)
 
 
 def test_reduce_and_gather_components_of_different_shapes(strategy, per_replica):
@@ -280,3 +297,120 @@ def test_worker_devices_are_devices_a_tensor_can_be_put_on(strategy):
   ):
     with pytest.raises(ValueError, match="is not a device of this process"):
       call()
+
+
+def test_the_default_strategy_is_in_its_default_replica_context():
+  """distribute_lib_test.py _assert_in_default_state and
+  DefaultDistributionStrategyTest.testMergeCall / testScopeMostlyNoOp: outside
+  any scope, and inside the default strategy's scope(), get_replica_context()
+  is the default replica context (not None), in_cross_replica_context() is
+  False and get_cross_replica_context() None; its merge_call runs merge_fn in
+  the default strategy's cross-replica context and returns what it returned."""
+  default = xd.get_strategy()
+  ctx = xd.get_replica_context()
+  assert isinstance(ctx, xd.ReplicaContext) and ctx.strategy is default
+  seen = []
+
+  def merge_fn(dist, s):
+    seen.append((dist, xd.get_replica_context(), xd.get_cross_replica_context(), xd.has_strategy()))
+    return "foo_" + s
+
+  for scope in (contextlib.nullcontext(), default.scope()):
+    with scope:
+      assert xd.get_replica_context() is ctx
+      assert not xd.in_cross_replica_context() and xd.get_cross_replica_context() is None
+      assert xd.get_strategy() is default and not xd.has_strategy()
+      assert ctx.merge_call(merge_fn, args=("bar",)) == "foo_bar"
+  assert seen == [(default, None, default, False)] * 2
+
+
+@pytest.mark.parametrize("kind", _KINDS)
+def test_reduce_and_run_with_merge_call_in_and_out_of_the_scope(kind, strategy):
+  """strategy_common_test.py ReduceTest.testBasic (reduce SUM of a PerReplica
+  of ones gives num_replicas, inside strategy.scope() and outside any scope)
+  and StrategyTest.testMergeCallInitScope (inside the scope, run of a function
+  whose merge_fn returns 11 gives 12 on every replica), over
+  strategy_combinations.all_strategies, the default strategy included: in its
+  scope, which keeps the default replica context, both raised "called in a
+  replica context (inside strategy.run)"."""
+  s = _strategy_of(kind, strategy)
+  n = s.num_replicas_in_sync
+  ones = s.experimental_distribute_values_from_function(lambda _: torch.ones(()))
+
+  def replica_fn():
+    y = xd.get_replica_context().merge_call(lambda _: torch.tensor(11))
+    return y + 1
+
+  for scope in (s.scope(), contextlib.nullcontext()):
+    with scope:
+      assert float(s.reduce(xd.ReduceOp.SUM, ones, axis=None)) == 1.0 * n
+      results = s.experimental_local_results(s.run(replica_fn))
+      assert [int(r) for r in results] == [12] * n
+
+
+def test_run_and_reduce_inside_the_default_strategys_run_are_refused():
+  """distribute_lib.py _require_cross_replica_or_default_context_extended (what
+  TestStrategyTest.testCallForEachReplica relies on): the replica context of
+  run is not the default one, so run and reduce inside it raise, for the
+  default strategy as for any other."""
+  default = xd.get_strategy()
+  with pytest.raises(
+    RuntimeError, match=re.escape("strategy.run requires being in cross-replica context")
+  ):
+    default.run(lambda: default.run(lambda: None))
+  with pytest.raises(
+    RuntimeError, match=re.escape("strategy.reduce requires being in cross-replica context")
+  ):
+    with default.scope():
+      default.run(lambda: default.reduce("sum", torch.ones(()), axis=None))
+  assert xd.get_replica_context() is not None and not xd.in_cross_replica_context()
+
+
+@pytest.mark.parametrize("kind", _KINDS)
+def test_local_results_of_a_nest_without_tensors_has_one_entry_per_replica(kind, strategy):
+  """strategy_common_test.py StrategyLocalResultTest.
+  testLocalResultForNestedStructWithoutTensor (run of a function returning
+  {"a": 1., "b": 2.} gives one dict per replica, as a tuple) and its siblings
+  testLocalResultForDictionary / testLocalResultForList /
+  testLocalResultForTuple with Python numbers instead of tensors
+  (StrategyExtendedV2._local_results maps every nest over the local replicas);
+  a value that is not a nest gives one entry."""
+  s = _strategy_of(kind, strategy)
+  n = s.num_replicas_in_sync
+  with s.scope():
+    for value in ({"a": 1.0, "b": 2.0}, [1.0, 2.0], (1.0, 2.0, 3.0)):
+      results = s.experimental_local_results(s.run(lambda value=value: value))
+      assert isinstance(results, tuple) and results == (value,) * n
+    assert s.experimental_local_results(s.run(lambda: 1.0)) == (1.0,)
+  nests = s.experimental_local_results(s.run(lambda: {"a": 1.0, "t": torch.ones(1)}))
+  assert len(nests) == n and all(nest["a"] == 1.0 for nest in nests)
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_reducing_a_variable_onto_itself_gives_a_mirrored(strategy, batch):
+  """v1/cross_device_ops_test.py SingleWorkerCrossDeviceOpsTest.
+  testReduceDistributedVariable: reduce(MEAN, v, v) (and batch_reduce of
+  [(v, v)]) of a variable made under the scope, with ReductionToOneDevice and an
+  all-reduce, gives a Mirrored whose components are tensors holding v's value;
+  for a module's Parameter as for an xladist.Variable. With one replica the
+  value comes back unwrapped (TF's regroup of a single component)."""
+  with strategy.scope():
+    lin = torch.nn.Linear(2, 1)
+    v = xd.Variable(1.0)
+  for ops in (xd.ReductionToOneDevice(), xd.NcclAllReduce()):
+    for var, expected in ((v, torch.tensor(1.0)), (lin.weight, lin.weight.detach().cpu())):
+      if batch:
+        result = ops.batch_reduce(xd.ReduceOp.MEAN, [(var, var)])[0]
+      else:
+        result = ops.reduce(xd.ReduceOp.MEAN, var, var)
+      assert isinstance(result, xd.Mirrored) and result.num_replicas == 4
+      for c in result.values:
+        assert isinstance(c, torch.Tensor) and not isinstance(c, torch.nn.Parameter)
+        torch.testing.assert_close(c.detach().cpu(), expected, rtol=0, atol=0)
+  # A Parameter is a distributed value for strategy.reduce too (as a Variable).
+  assert torch.equal(strategy.reduce("sum", lin.bias, axis=None).detach().cpu(), lin.bias.cpu() * 4)
+  one = xd.OneDeviceStrategy()
+  with one.scope():
+    w = torch.nn.Linear(2, 1).weight
+  result = xd.ReductionToOneDevice().reduce(xd.ReduceOp.MEAN, w, w)
+  assert isinstance(result, torch.Tensor) and torch.equal(result.detach().cpu(), w.detach().cpu())

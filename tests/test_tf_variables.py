@@ -361,3 +361,144 @@ def test_cross_replica_assign_add_of_sync_on_read_sum_raises(strategy):
   m.assign_add(10.0)
   assert _components(strategy, m) == [10.0, 11.0, 12.0, 13.0]
   assert m.value.item() == 11.5
+
+
+def _values(strategy, v):
+  """Each replica's component as a float (with one replica the result of
+  experimental_local_results is the variable itself, as in TF)."""
+  return [float(c.value if isinstance(c, xd.Variable) else c) for c in strategy.unwrap(v)]
+
+
+@pytest.mark.parametrize("kind", ["default", "one_device", "mirrored"])
+def test_tower_local_variables_made_in_the_tower_fetch_their_aggregate(kind, strategy):
+  """tf.contrib mirrored_strategy_multigpu_test.py
+  MirroredStrategyVariableCreationTest.testTowerLocalVariable: variables made in
+  call_for_each_tower under get_tower_context().tower_local_var_scope("sum") /
+  ("mean"), given worker_device_index, are one variable for every tower;
+  tower i's components are 1 + 2 + i and 6 * i, and fetch (like read_var and
+  the plain read) gives their sum and mean. TF 1's tower_local_var_scope needs
+  the strategy's scope only (_require_distribution_strategy_scope), so it works
+  inside the tower and for the default strategy too."""
+  s = {"default": xd.get_strategy(), "one_device": xd.OneDeviceStrategy()}.get(kind, strategy)
+  n = s.num_replicas_in_sync
+  made = []
+
+  def model_fn(device_id):
+    tower_context = xd.get_tower_context()
+    with tower_context.tower_local_var_scope("sum"):
+      v_sum = xd.Variable(1.0)
+    with tower_context.tower_local_var_scope("mean"):
+      v_mean = xd.Variable(4.0)
+    assert (v_sum.synchronization, v_sum.aggregation) == (VS.ON_READ, VA.SUM)
+    assert (v_mean.synchronization, v_mean.aggregation) == (VS.ON_READ, VA.MEAN)
+    v_sum.assign_add(2.0 + device_id)
+    v_mean.assign(6.0 * device_id)
+    made.append((v_sum, v_mean))
+    return v_sum, v_mean
+
+  with s.scope():
+    ret_v_sum, ret_v_mean = s.call_for_each_tower(model_fn, s.worker_device_index)
+    assert made == [(ret_v_sum, ret_v_mean)]  # traced once: one object for every tower
+    assert _values(s, ret_v_sum) == [i + 3.0 for i in range(n)]
+    assert _values(s, ret_v_mean) == [i * 6.0 for i in range(n)]
+    expected_sum = sum(i + 3.0 for i in range(n))
+    expected_mean = sum(i * 6.0 for i in range(n)) / n
+    assert float(s.fetch(ret_v_sum)) == expected_sum
+    assert float(s.fetch(ret_v_mean)) == expected_mean
+    assert float(s.extended.read_var(ret_v_sum)) == expected_sum
+    assert float(ret_v_sum.value) == expected_sum and float(ret_v_mean.value) == expected_mean
+  assert float(s.fetch(ret_v_sum)) == expected_sum
+  with pytest.raises(
+    RuntimeError,
+    match=re.escape("strategy.worker_device_index requires being in cross-replica context"),
+  ):
+    s.run(lambda: s.worker_device_index)
+
+
+def test_tower_local_sum_variable_fetched_in_the_scope_that_made_it(strategy):
+  """The same test's cross-tower reads, made before the scope that created the
+  variables is left (xladist places variables when the scope ends): TF's
+  variable has its N components from creation on, so fetch of a fresh SUM
+  variable is N times its initial value at once, and its components can be
+  listed; a Parameter made there is fetched as its value."""
+  with strategy.scope():
+    with strategy.tower_local_var_scope("sum"):
+      v = xd.Variable(1.0)
+      lin = torch.nn.Linear(1, 1, bias=False)
+    assert float(strategy.fetch(v)) == 4.0 and float(v.value) == 4.0
+    assert _values(strategy, v) == [1.0] * 4
+    first = float(_values(strategy, lin.weight)[0])
+    assert float(strategy.fetch(lin.weight)) == pytest.approx(4 * first)
+  assert float(strategy.fetch(v)) == 4.0
+
+
+def test_sync_on_read_variables_read_in_merge_fn_give_their_aggregate(strategy):
+  """values_test.py SyncOnReadVariableTest.testReadValueInCrossReplicaContext
+  (replica r assigns r; read in cross-replica context, SUM gives the sum of
+  the replicas' values, MEAN their mean, ONLY_FIRST_REPLICA replica 0's),
+  read inside merge_fn, the cross-replica context within a step: value,
+  read_value, extended.read_var and fetch all give the aggregate on every
+  replica (SyncOnReadVariable._get_cross_replica), not the replica's own
+  component; inside extended.update the component is read."""
+  with strategy.scope():
+    made = {
+      agg: xd.Variable(0.0, synchronization="on_read", aggregation=agg)
+      for agg in ("sum", "mean", "only_first_replica")
+    }
+  expected = {"sum": 6.0, "mean": 1.5, "only_first_replica": 0.0}
+
+  def merge_fn(s):
+    out = {}
+    for agg, v in made.items():
+      out[agg] = (v.value * 1, v.read_value(), s.extended.read_var(v), s.fetch(v, "xla:0"))
+      out[agg + "/update"] = s.extended.update(v, lambda c: c.value * 1)
+    return out
+
+  def step():
+    for v in made.values():
+      v.assign(_rid().float())
+    return xd.get_replica_context().merge_call(merge_fn)
+
+  out = strategy.run(step)
+  for agg, value in expected.items():
+    for read in out[agg]:
+      assert _components(strategy, read) == [value] * 4, agg
+    assert _components(strategy, out[agg + "/update"]) == [0.0, 1.0, 2.0, 3.0], agg
+    assert float(strategy.fetch(made[agg])) == value
+
+
+@pytest.mark.parametrize("kind", ["one_device", "mirrored"])
+def test_assign_of_a_number_to_a_sum_variable_made_in_call_for_each_replica(kind, strategy):
+  """mirrored_variable_test.py MirroredVariableUpdateTest.
+  testAssignMirroredVarReplicaContextWithSum as TF writes it: the SUM variable
+  is made in call_for_each_replica (which raised "written in place ... not
+  through Variable.assign" when that step ended), then assign(5.0) in a replica
+  context raises TF's ValueError "A non-DistributedValues value 5.0 cannot be
+  reduced with ... SUM"; with one replica there is nothing to add up, and the
+  value is assigned (reduce_non_distributed_value with one replica)."""
+  s = xd.OneDeviceStrategy() if kind == "one_device" else strategy
+  with s.scope():
+    mirrored_var = s.extended.call_for_each_replica(
+      lambda: xd.Variable(1.0, name="foo", aggregation="sum")
+    )
+    assert isinstance(mirrored_var, xd.Variable)
+    assert mirrored_var.synchronization is VS.ON_WRITE and float(mirrored_var.read_value()) == 1.0
+    if s.num_replicas_in_sync > 1:
+      with pytest.raises(
+        ValueError,
+        match=r"a non-DistributedValues value \(float 5\.0\) cannot be reduced with ReduceOp\.SUM",
+      ):
+        s.extended.call_for_each_replica(lambda: mirrored_var.assign(5.0))
+      assert float(mirrored_var.read_value()) == 1.0
+    else:
+      s.extended.call_for_each_replica(lambda: mirrored_var.assign(5.0))
+      assert float(mirrored_var.read_value()) == 5.0
+
+  def raw_write():
+    w = xd.Variable(1.0, aggregation="sum")
+    with torch.no_grad():
+      w.value_.add_(1.0)
+
+  if s.num_replicas_in_sync > 1:  # an in-place write after creation is still refused
+    with pytest.raises(RuntimeError, match="was written in place inside the step"):
+      s.run(raw_write)

@@ -8,10 +8,11 @@ collective.
 
 import torch
 
+from xladist import context
 from xladist import runtime as _runtime
 from xladist.reduce_util import ReduceOp
 from xladist.values import DistributedValues, Mirrored, PerReplica, as_components, check_components
-from xladist.variable_store import copies_of
+from xladist.variable_store import copies_of, mirrored_replicas
 
 
 def check_axis(axis, rank, api):
@@ -133,19 +134,27 @@ def gather_components(comps, axis, api):
 def as_value(value, in_region=False):
   """A strategy variable as the distributed value it is (TF: a MirroredVariable
   or SyncOnReadVariable is a DistributedValues): the components of a
-  sync-on-read variable, or a Mirrored of a mirrored one. Other values, and
+  sync-on-read variable, or a Mirrored of a mirrored one (an xladist.Variable,
+  or a module's parameter or buffer made under the scope). Other values, and
   anything inside a step (where a variable is its replica's view), unchanged."""
   if in_region:
     return value
   tensor = value.value_ if _is_variable_module(value) else value
   if not isinstance(tensor, torch.Tensor):
     return value
+  owner = value.distribute_strategy if _is_variable_module(value) else context.get_strategy()
+  store = getattr(owner.extended, "_store", None)
+  if store is not None:
+    store.place_module_of(tensor)  # a variable made in a scope that is still open
   copies = copies_of(tensor)
   if copies is not None:
     return PerReplica._from_stacked(copies.current(tensor, repr), copies.num_replicas)
   if _is_variable_module(value):
     n = value.distribute_strategy.num_replicas_in_sync
     return Mirrored._from_primary(tensor, n) if n > 1 else tensor
+  n = mirrored_replicas(tensor)
+  if n is not None:
+    return Mirrored._from_primary(tensor, n)
   return value
 
 
@@ -161,6 +170,8 @@ def destination_count(destinations):
     return destinations.distribute_strategy.num_replicas_in_sync
   if isinstance(destinations, torch.Tensor) and copies_of(destinations) is not None:
     return copies_of(destinations).num_replicas
+  if isinstance(destinations, torch.Tensor) and mirrored_replicas(destinations) is not None:
+    return mirrored_replicas(destinations)
   if isinstance(destinations, (list, tuple)):
     return len(destinations)
   return 1

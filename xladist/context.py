@@ -82,11 +82,21 @@ def pop(mode):
 
 
 def in_step(strategy):
-  """True inside `strategy.run` (a replica context pushed by run, not the default one)."""
+  """True inside `strategy.run` (a replica context pushed by run).
+
+  The default replica context is not a step, also inside the default
+  strategy's scope(), which keeps it (TF: `strategy.reduce` and `strategy.run`
+  work in the default replica context, distribute_lib's
+  _require_cross_replica_or_default_context_extended).
+  """
   if not _stack.modes:
     return False
   mode = _stack.modes[-1]
-  return mode.strategy is strategy and mode.replica_context is not None
+  return (
+    mode.strategy is strategy
+    and mode.replica_context is not None
+    and mode.replica_context is not _default_mode().replica_context
+  )
 
 
 def get_strategy():

@@ -29,7 +29,7 @@ from xladist.input import dataset as input_dataset
 from xladist.input.options import InputContext, InputReplicationMode
 from xladist.reduce_util import ReduceOp, as_reduce_op
 from xladist.values import DistributedValues, Mirrored, PerReplica, as_components
-from xladist.variable_store import copies_of
+from xladist.variable_store import copies_of, cross_replica_read
 
 
 def _require_no_other_strategy(strategy, what):
@@ -451,12 +451,27 @@ class StrategyExtended(abc.ABC):
 
   def read_var(self, var):
     """The value of `var` in cross-replica context: one copy of a mirrored
-    variable, the aggregate of a sync-on-read one (a tensor)."""
+    variable, the aggregate of a sync-on-read one (a tensor), also inside
+    merge_fn of a step, where the replicas' components are all-reduced."""
     _require_cross_replica(
       self._strategy_ref, "extended.read_var", "Read the variable directly inside a step."
     )
-    value = var.value if getattr(var, "_is_xladist_variable", False) else var
-    return value.detach().clone()
+    return self._read_cross_replica(var).detach().clone()
+
+  def _read_cross_replica(self, var):
+    """`var` (a variable, or any value) as cross-replica context reads it."""
+    if getattr(var, "_is_xladist_variable", False):
+      return var.value
+    store = getattr(self, "_store", None)
+    if store is None or not isinstance(var, torch.Tensor):
+      return var
+    step = store.active_step
+    if step is None:
+      store.place_module_of(var)  # made in a scope that is still open
+      return var
+    if context.current_mode().update_device is None and step.is_variable(var):
+      return cross_replica_read(var, step)
+    return var
 
   def variable_created_in_scope(self, v):
     """True when `v` (a parameter, buffer or xladist.Variable) is a variable of this strategy."""
@@ -486,17 +501,24 @@ class StrategyExtended(abc.ABC):
     return _group_leaf(components)
 
   def _local_results(self, value):
-    """TF's experimental_local_results: one entry per (local) replica."""
+    """TF's experimental_local_results: one entry per (local) replica.
+
+    A distributed value or variable gives its components; a nest (tuple, list,
+    dict, namedtuple, dataclass) gives one nest per local replica, also when it
+    holds no distributed value (`run(lambda: {"a": 1.})` on two replicas:
+    `({"a": 1.}, {"a": 1.})`, as TF's StrategyExtendedV2._local_results); any
+    other value a 1-tuple.
+    """
     components = self._components(value)
     if components is not None:
       return components
     leaves, spec = flatten(value)
     if len(leaves) == 1 and leaves[0] is value:
       return (value,)
-    per_leaf = [self._components(leaf) for leaf in leaves]
-    if all(c is None for c in per_leaf):
-      return (value,)
-    n = len(next(c for c in per_leaf if c is not None))
+    per_leaf = [
+      self._local_results(leaf) if self._components(leaf) is not None else None for leaf in leaves
+    ]
+    n = len(self._fed_replicas())
     return tuple(
       unflatten(spec, [leaf if c is None else c[i] for leaf, c in zip(leaves, per_leaf)])
       for i in range(n)
@@ -507,6 +529,9 @@ class StrategyExtended(abc.ABC):
     if isinstance(value, DistributedValues):
       return tuple(value.values)
     tensor = _variable_tensor(value)
+    store = getattr(self, "_store", None)
+    if store is not None and isinstance(tensor, torch.Tensor) and store.active_step is None:
+      store.place_module_of(tensor)  # made in a scope that is still open
     if (
       isinstance(tensor, torch.Tensor)
       and self._num_replicas_in_sync > 1

@@ -53,6 +53,11 @@ class ReplicaContext:
 
   tower_id = replica_id_in_sync_group
 
+  def tower_local_var_scope(self, reduce_method):
+    """Legacy (tf.contrib TowerContext): the strategy's `tower_local_var_scope`,
+    for variables made inside the step function."""
+    return self._strategy.tower_local_var_scope(reduce_method)
+
   @property
   def devices(self):
     """The devices this replica's computation runs on (a 1-tuple)."""

@@ -213,8 +213,14 @@ class Strategy(StrategyLegacy):
     return self._extended._gather(value, axis)
 
   def experimental_local_results(self, value):
-    """The tuple of this host's per-replica components of `value` (a 1-tuple for
-    plain values); on one host, every replica's."""
+    """The tuple of this host's per-replica components of `value`; on one host,
+    every replica's.
+
+    A distributed value or a variable gives its components; a nest (tuple,
+    list, dict, namedtuple, dataclass) one nest per replica, also without any
+    tensor (`run(lambda: {"a": 1.})` on two replicas gives `({"a": 1.},
+    {"a": 1.})`, as in TF); any other value a 1-tuple.
+    """
     return self._extended._local_results(value)
 
   def experimental_distribute_values_from_function(self, value_fn):
@@ -273,7 +279,9 @@ class Strategy(StrategyLegacy):
 
     Every step must have the same shapes; a partial last batch raises a
     ValueError unless `options.experimental_partial_batch` is "mask" (pad it and
-    get a mask of the real rows) or "drop".
+    get a mask of the real rows) or "drop". With one replica nothing is split,
+    so elements without a batch dimension (scalars, tuples of scalars) are
+    delivered whole, as in TF; with several they are refused (a ValueError).
 
     Args:
       dataset: the dataset of global batches.
@@ -317,8 +325,13 @@ class Strategy(StrategyLegacy):
     * `InputReplicationMode.PER_REPLICA`: N pipelines (input_pipeline_id 0 ..
       N-1, num_input_pipelines N); replica r gets pipeline r's elements.
 
-    Every step must have the same shapes; see `InputOptions.experimental_partial_batch`
-    for per-replica batches that come short or run out at the end.
+    Nothing is split, so an element may have no batch dimension (a 0-d tensor,
+    a Python number, a tuple of them): replica r gets exactly its element, with
+    Python numbers made tensors as TF makes them (int -> int32, float ->
+    float32). Every step must have the same shapes; see
+    `InputOptions.experimental_partial_batch` for per-replica batches that come
+    short or run out at the end. When some replica's elements without a batch
+    dimension run out, the epoch ends there, as in TF (logged), unless "mask".
 
     Args:
       dataset_fn: a function from `InputContext` to a dataset.

@@ -39,22 +39,25 @@ class StrategyLegacy:
     """Legacy (tf.contrib): state created inside is sync-on-read with `reduce_method`.
 
     Parameters, buffers and `xladist.Variable`s made inside (under this
-    strategy's scope) become ON_READ variables aggregated with `reduce_method`
-    ("sum", "mean", a ReduceOp or a VariableAggregation): each replica updates
-    its own copy in a step; read in cross-replica context, they are combined.
+    strategy's scope, or inside its `run`, as the tf.contrib tests do with
+    `get_tower_context().tower_local_var_scope(...)`) become ON_READ
+    variables aggregated with `reduce_method` ("sum", "mean", a ReduceOp or a
+    VariableAggregation): each replica updates its own copy in a step; read in
+    cross-replica context (`fetch`, `extended.read_var`), they are combined.
     Every replica starts from the same initial value, even a random one.
 
     Raises:
-      RuntimeError: not inside this strategy's scope.
+      RuntimeError: this strategy is not the current one (enter its scope).
     """
     aggregation = variable_policy.as_aggregation(
       reduce_method.name if hasattr(reduce_method, "name") else reduce_method,
       "tower_local_var_scope",
     )
-    if context.get_strategy() is not self or not context.in_cross_replica_context():
+    if context.get_strategy() is not self:
+      # TF 1's _require_distribution_strategy_scope: any context of this strategy.
       raise RuntimeError(
         "tower_local_var_scope must be entered inside this strategy's scope() "
-        "(cross-replica context): with strategy.scope(), "
+        "or its run (the strategy must be the current one): with strategy.scope(), "
         "strategy.tower_local_var_scope(...): ..."
       )
     policy = variable_policy.Policy(variable_policy.VariableSynchronization.ON_READ, aggregation)
@@ -93,6 +96,23 @@ class StrategyLegacy:
     return self.experimental_local_results(value)
 
   @property
+  def worker_device_index(self):
+    """Legacy (tf.contrib): each replica's index, to pass to `call_for_each_tower`.
+
+    A PerReplica whose component r is r (the integer 0 with one replica, as in
+    TF); inside the step each replica gets its own index as a tensor.
+
+    Raises:
+      RuntimeError: called inside `run`.
+    """
+    _require_cross_replica(self, "strategy.worker_device_index", "Use tower_id inside a step.")
+    if self.num_replicas_in_sync == 1:
+      return 0
+    return self.experimental_distribute_values_from_function(
+      lambda ctx: ctx.replica_id_in_sync_group
+    )
+
+  @property
   def num_towers(self):
     return self.num_replicas_in_sync
 
@@ -124,8 +144,10 @@ class StrategyLegacy:
 
     A variable (a parameter, buffer or xladist.Variable) gives its value in
     cross-replica context (one copy of a mirrored variable, the aggregate of a
-    sync-on-read one); with the default destination "cpu" the result is a
-    host tensor.
+    sync-on-read one: a tower-local SUM variable fetches the sum of the
+    replicas' components, also right after it was made in a scope that is
+    still open and in merge_fn); with the default destination "cpu" the
+    result is a host tensor.
 
     Raises:
       ValueError: `val` is a PerReplica (reduce it first), or `destination`
@@ -139,8 +161,7 @@ class StrategyLegacy:
       )
     if isinstance(val, Mirrored):
       val = val.primary
-    if getattr(val, "_is_xladist_variable", False):
-      val = val.value
+    val = self._extended._read_cross_replica(val)
     if isinstance(val, torch.Tensor):
       val = val.detach()
     out = fn(val)

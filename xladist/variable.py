@@ -29,7 +29,7 @@ from xladist.variable_policy import (
   policy_of,
   set_policy,
 )
-from xladist.variable_store import copies_of, spread
+from xladist.variable_store import copies_of, cross_replica_read, spread
 
 VA, VS = VariableAggregation, VariableSynchronization
 _SUM_CROSS_REPLICA = (
@@ -170,26 +170,40 @@ class Variable(torch.nn.Module):
 
   @property
   def value(self):
-    """The value: a replica's own component in a replica context, else the
-    aggregate of the replicas' values.
+    """The value: a replica's own component in a replica context (and inside
+    `extended.update`), else the aggregate of the replicas' values, also in
+    merge_fn inside a step (one all-reduce there).
 
     Raises:
       ValueError: a sync-on-read variable with aggregation NONE read in
         cross-replica context (it has no aggregate; TF refuses it too).
     """
-    if (
-      self._policy.on_read
-      and self._policy.aggregation is VA.NONE
-      and copies_of(self.value_) is not None
-      and not _in_step_of(self._strategy)
-    ):
+    store = getattr(self._strategy.extended, "_store", None)
+    step = store.active_step if store is not None else None
+    if step is None:
+      if store is not None:
+        store.place_module_of(self.value_)  # made in a scope that is still open
+      cross_replica = copies_of(self.value_) is not None
+    else:
+      mode = context.current_mode()
+      cross_replica = (
+        mode.replica_context is None
+        and mode.update_device is None
+        and step.region.num_replicas > 1
+        and step.is_variable(self.value_)
+      )
+    if not (self._policy.on_read and cross_replica):
+      return self.value_
+    if self._policy.aggregation is VA.NONE:
       raise ValueError(
         f"{self!r}: a sync-on-read variable with aggregation NONE has no value in "
         "cross-replica context (its replicas' components are not combined); read "
         "it inside strategy.run, or give it an aggregation (SUM, MEAN, "
         "ONLY_FIRST_REPLICA)."
       )
-    return self.value_
+    if step is None:
+      return self.value_  # the attribute holds the aggregate between steps
+    return cross_replica_read(self.value_, step)
 
   def read_value(self):
     """A copy of the value (detached)."""
@@ -368,11 +382,6 @@ def _describe_value(value):
   if isinstance(value, torch.Tensor):
     return f"a {value.device.type} tensor of shape {tuple(value.shape)}"
   return f"{type(value).__name__} {value!r:.40}"
-
-
-def _in_step_of(strategy):
-  store = getattr(strategy.extended, "_store", None)
-  return store is not None and store.active_step is not None
 
 
 def _scope_override(strategy):

@@ -36,6 +36,9 @@ from xladist.reduce_util import ReduceOp
 
 VA = policies.VariableAggregation
 _COPIES = "_xladist_replicas"  # attribute of an ON_READ tensor (see ReplicaCopies)
+# Attribute of a mirrored variable of a strategy with several replicas: their
+# number (TF: a MirroredVariable is a DistributedValues; see mirrored_replicas).
+_MIRRORED = "_xladist_mirrored"
 _tracing = [0]  # how many steps are being traced (any strategy, any thread)
 
 
@@ -151,12 +154,33 @@ class VariableStore:
     while self._pending:
       module = self._pending[0]()
       if module is not None:
-        for tensors in (module._parameters, module._buffers):
-          for name, t in tensors.items():
-            if t is None or isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
-              continue
-            self._place(module, name, t)
+        self._place_module(module)
       self._pending.pop(0)
+
+  def place_module_of(self, tensor):
+    """Places the pending module that holds `tensor` now.
+
+    A variable made in a scope that is still open is placed when the scope is
+    left; a cross-replica read before then (`fetch`, `read_var`,
+    `experimental_local_results`, `Variable.value`) places its module first,
+    so it reads what it will read after the scope (a sync-on-read SUM variable:
+    num_replicas times its initial value). Other pending modules wait.
+    """
+    for i, ref in enumerate(self._pending):
+      module = ref()
+      if module is not None and any(
+        t is tensor for t in (*module._parameters.values(), *module._buffers.values())
+      ):
+        self._place_module(module)
+        del self._pending[i]
+        return
+
+  def _place_module(self, module):
+    for tensors in (module._parameters, module._buffers):
+      for name, t in tensors.items():
+        if t is None or isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
+          continue
+        self._place(module, name, t)
 
   def _place(self, module, name, t):
     placed = self._place_fn(t)
@@ -184,6 +208,11 @@ class VariableStore:
       ReplicaCopies.create(t, self.num_replicas)
       if isinstance(module, torch.nn.Module):
         _watch_forward(module)
+    self._mark_mirrored(t)
+
+  def _mark_mirrored(self, t):
+    if self.num_replicas > 1 and t.device.type == "xla" and not policies.policy_of(t).on_read:
+      setattr(t, _MIRRORED, self.num_replicas)
 
   def tracks(self, tensor):
     """True when `tensor` is a parameter or buffer of a module this store tracks."""
@@ -274,7 +303,14 @@ class VariableStore:
     if self.num_replicas > 1 and policies.policy_of(t).on_read:
       _watch_forward(module)
     step.created.add(id(t))
+    self._mark_mirrored(t)
     self.enter_variable(t, step, local=local)
+    if step.is_aggregated(t):
+      # Its initial value is the same on every replica: a creation, not an
+      # in-place write to combine on exit (mirrored_variable_test.py
+      # testAssignMirroredVarReplicaContextWithSum creates one with SUM in
+      # call_for_each_replica).
+      step.sanction([t])
 
   def enter_variable(self, t, step, local=None):
     """Swaps one variable for its local view (`local`: a value made in the step)."""
@@ -538,6 +574,23 @@ def _watch_forward(module):
 def copies_of(t):
   """The ReplicaCopies of a sync-on-read variable with several replicas, else None."""
   return getattr(t, _COPIES, None)
+
+
+def mirrored_replicas(t):
+  """How many replicas a mirrored variable of a strategy with several replicas
+  has a copy on, else None."""
+  return getattr(t, _MIRRORED, None)
+
+
+def cross_replica_read(t, step):
+  """A variable of the step being traced, read in cross-replica context there
+  (in merge_fn): a sync-on-read variable's components combined by its
+  aggregation on every replica (TF: SyncOnReadVariable._get_cross_replica);
+  a mirrored variable is its replica's copy."""
+  policy = policies.policy_of(t)
+  if not policy.on_read or step.region.num_replicas == 1:
+    return t
+  return _aggregate(step.region, policy.aggregation, [t.detach()])[0]
 
 
 class Step:

@@ -3,6 +3,8 @@
 Every task of a chief / worker / ps cluster is a member of one
 torch.distributed.rpc group; the files, lowest first:
 
+* `bind.py`: where each task listens (its address in the cluster spec, not
+  every interface) and the `xladist://` rendezvous that binds the chief's store;
 * `rpc.py`: the group (rendezvous at the chief, task names such as
   "worker:1"), remote calls with timeouts, and the error records that remote
   functions return instead of raising;

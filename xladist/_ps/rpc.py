@@ -18,6 +18,7 @@ import time
 import traceback
 import warnings
 
+from xladist._ps import bind
 from xladist.cluster_resolver import ClusterSpec
 
 JOBS = ("chief", "worker", "ps")
@@ -141,8 +142,10 @@ def start(layout, job, index, timeout_seconds, api):
       )
     name = task_name(job, index)
     _agent["joined_before"] = name
+    bind.register_rendezvous()
     options = rpc.TensorPipeRpcBackendOptions(
-      init_method=f"tcp://{layout.chief_address}",
+      # The store listens on the chief's address only (torch's tcp:// binds "::").
+      init_method=f"{bind.SCHEME}://{layout.chief_address}",
       rpc_timeout=timeout_seconds,
       num_worker_threads=16,
     )
@@ -167,8 +170,9 @@ def start(layout, job, index, timeout_seconds, api):
 
     thread = threading.Thread(target=join, name=f"xladist-join-{name}", daemon=True)
     start_time = time.monotonic()
-    thread.start()
-    thread.join(timeout_seconds)
+    with bind.listen_on(layout.spec.task_address(job, index), api):
+      thread.start()
+      thread.join(timeout_seconds)
     waited = time.monotonic() - start_time
     if not outcome or outcome[0] is not None:
       _agent["name"], _agent["layout"] = None, None
@@ -181,16 +185,44 @@ def start(layout, job, index, timeout_seconds, api):
       )
 
 
-def stop():
-  """Leaves the RPC group without waiting for the other tasks."""
+def stop(graceful=False, timeout=DEFAULT_TIMEOUT):
+  """Leaves the RPC group.
+
+  graceful=False leaves at once. TensorPipe (torch 2.9) then logs a "pipe
+  closed" / "eof" warning in this task and in every peer for each connection
+  it had, since only an agent that went through the group's shutdown barrier
+  knows that closing pipes are expected. graceful=True is that barrier
+  (`rpc.shutdown(graceful=True)`): every task of the cluster must call it,
+  so it is used only when all of them are known to be up (the chief's
+  `stop_cluster` checks); `timeout` bounds it, after which the task leaves
+  anyway (a peer died meanwhile).
+
+  Returns:
+    Whether the task left quietly (graceful and in time).
+  """
   import torch.distributed.rpc as rpc
 
   with _agent_lock:
     if _agent["name"] is None:
-      return
+      return True
     _agent["name"] = None
     _agent["layout"] = None
-    rpc.shutdown(graceful=False)
+    if not graceful:
+      rpc.shutdown(graceful=False)
+      return False
+    outcome = []
+
+    def leave():
+      try:
+        rpc.shutdown(graceful=True, timeout=timeout)
+        outcome.append(True)
+      except BaseException:  # noqa: BLE001 - torch still finalised the agent
+        outcome.append(False)
+
+    thread = threading.Thread(target=leave, name="xladist-leave", daemon=True)
+    thread.start()
+    thread.join(timeout + 5.0)
+    return bool(outcome and outcome[0])
 
 
 def call_async(task, fn, args=(), timeout=DEFAULT_TIMEOUT):

@@ -9,6 +9,13 @@ rendezvous at its address in the cluster spec; a ps task answers variable
 reads and updates (`xladist/_ps/task.py`); a worker runs scheduled functions on
 its XLA device(s) (`xladist/coordinator/_worker.py`).
 
+Security: trusted networks only. A scheduled function and its arguments are
+pickled Python that a worker unpickles and runs, so anyone who can connect to
+a task's ports (the rendezvous store at the chief's address, every task's RPC
+listeners) can run code in it, as with TF's servers (TF's SECURITY.md). Each
+task listens only on its own address from the cluster spec (the interface
+holding it), not on every interface; see `xladist/_ps/bind.py`.
+
 Example, on each worker and ps host (TF_CONFIG names the task)::
 
   import xladist as xd
@@ -27,11 +34,15 @@ from xladist._ps import rpc as _rpc
 from xladist.cluster_resolver import ClusterSpec
 
 _stop_event = threading.Event()
+_stop = {"graceful": False}  # how the chief asked this task to leave
 _POLL_SECONDS = 1.0  # how often join() checks that the chief is still there
+LEAVE_SECONDS = 30.0  # bound on the quiet (graceful) leaving of the RPC group
 
 
-def _stop_server():
-  """Remote function: the chief ends the cluster."""
+def _stop_server(graceful=False):
+  """Remote function: the chief ends the cluster; `graceful`: every task is
+  up, so all of them leave through the RPC group's shutdown barrier."""
+  _stop["graceful"] = bool(graceful)
   _stop_event.set()
   return ("ok", None)
 
@@ -43,6 +54,12 @@ def _alive():
 
 class Server:
   """Starts a worker or ps task of a parameter-server cluster in this process.
+
+  Security: run a cluster on a trusted network only. What the chief sends is
+  pickled Python that this task runs, so whoever can reach its ports can run
+  code in it (TF's servers are the same). The task listens on its address
+  from the cluster spec only, not on every interface: give each task the
+  address of its private interface there.
 
   Args:
     server_or_cluster_def: the cluster: a `cluster_resolver.ClusterSpec` or a
@@ -156,8 +173,11 @@ class Server:
         _rpc.call(chief, _alive, timeout=max(10.0, 5 * _POLL_SECONDS), what="a liveness check")
       except _rpc.TaskUnavailableError:
         break  # the chief ended without stopping us: nothing will come
-    time.sleep(0.2)  # let the answer to the chief's stop request leave
-    _rpc.stop()
+    if _stop_event.is_set() and _stop["graceful"]:
+      _rpc.stop(graceful=True, timeout=LEAVE_SECONDS)
+    else:
+      time.sleep(0.2)  # let the answer to the chief's stop request leave
+      _rpc.stop()
     self._joined = True
 
   @staticmethod
@@ -170,15 +190,45 @@ class Server:
 
 
 def stop_cluster(layout, timeout=5.0):
-  """Asks every worker and ps task to leave (the chief's side of the shutdown)."""
+  """Asks every worker and ps task to leave (the chief's side of the shutdown).
+
+  First every task is asked whether it is up: if all answer, all of them
+  (the chief too) leave through the RPC group's shutdown barrier, which is
+  quiet; with a task gone, the barrier would wait for it, so every task
+  leaves at once (TensorPipe then logs the closed connections).
+
+  Returns:
+    Whether the chief should leave gracefully (every task answered).
+  """
+  tasks = layout.workers + layout.ps
+  graceful = _answering(tasks, timeout) == len(tasks)
   futures = []
-  for task in layout.workers + layout.ps:
+  for task in tasks:
     try:
-      futures.append((task, _rpc.call_async(task, _stop_server, timeout=timeout)))
+      futures.append((task, _rpc.call_async(task, _stop_server, (graceful,), timeout=timeout)))
     except _rpc.TaskUnavailableError:
-      continue
+      graceful = False
   for task, future in futures:
     try:
       _rpc.wait(task, future, "the stop request")
     except _rpc.TaskUnavailableError:
+      graceful = False
+  return graceful
+
+
+def _answering(tasks, timeout):
+  """How many of `tasks` answer a liveness check within `timeout`."""
+  futures = []
+  for task in tasks:
+    try:
+      futures.append((task, _rpc.call_async(task, _alive, timeout=timeout)))
+    except _rpc.TaskUnavailableError:
       continue
+  count = 0
+  for task, future in futures:
+    try:
+      _rpc.wait(task, future, "a liveness check")
+      count += 1
+    except _rpc.TaskUnavailableError:
+      continue
+  return count

@@ -277,14 +277,25 @@ class ClusterCoordinator:
   def schedule(self, fn, args=None, kwargs=None):
     """Schedules `fn(*args, **kwargs)` to run on some worker; returns a RemoteValue.
 
-    Non-blocking. The function and its arguments are pickled now (their
-    values at this call; variables are read on the worker when it runs).
-    A `PerWorkerValues` argument gives the function its worker's value.
+    Non-blocking. The function and its arguments are pickled now with
+    cloudpickle (their values at this call; variables are read on the worker
+    when it runs): a function defined inside another travels by value with
+    what it captures. Variables, models, optimizers, the strategy and
+    per-worker values and iterators, as arguments or captured, travel as
+    references: a `PerWorkerValues` gives the function its worker's value.
+
+    Example (TF's shape: a nested function capturing the training objects)::
+
+      def train(model, optimizer, iterator):
+        def worker_fn():
+          x, y = next(iterator)          # this worker's iterator
+          return strategy.run(replica_fn, args=(x, y))   # replica_fn uses model, optimizer
+        return [coordinator.schedule(worker_fn) for _ in range(100)]
 
     Raises:
-      TypeError: `fn` is not callable, or it or its arguments cannot be sent
-        (see `ParameterServerStrategy`).
-      ValueError: a RemoteValue is among the arguments.
+      TypeError: `fn` is not callable, or something it captures or an
+        argument cannot be pickled (the message names it).
+      ValueError: a RemoteValue is among the arguments or captured values.
       Exception: the error of an earlier scheduled function that failed (the
         queued ones are then cancelled), as TF.
     """
@@ -297,9 +308,10 @@ class ClusterCoordinator:
     ext = self._strategy.extended
     ext.push_chief_writes()
     self._delete_released()
-    payload = _wire.dumps(
-      (fn, args, kwargs), self._strategy, ClusterCoordinator, "ClusterCoordinator.schedule"
+    payload, var_ids = _wire.dumps(
+      fn, args, kwargs, self._strategy, ClusterCoordinator, "ClusterCoordinator.schedule"
     )
+    ext.mark_stale(var_ids)
     description = f"the scheduled function {getattr(fn, '__qualname__', repr(fn))}"
     remote_value = RemoteValueImpl(self, description)
     self._queue.put(_Closure(description, payload, remote_value))
@@ -307,6 +319,13 @@ class ClusterCoordinator:
 
   def join(self):
     """Blocks until every scheduled function has run.
+
+    Then the chief's copies of the variables the functions refer to are read
+    from the ps tasks, so that reads on the chief (`v.read_value()`,
+    `float(v)`, `model(x)`, a checkpoint) give the ps tasks' values, as TF's
+    reads of ps variables do. Between `schedule` and `join` the chief's
+    copies keep the values of the last `join` (or `done()` that returned
+    True); `strategy.extended.read_var(v)` reads a ps task at any time.
 
     Raises:
       Exception: the first error of a scheduled function since the last
@@ -318,12 +337,24 @@ class ClusterCoordinator:
     """
     self._check_open("join")
     self._wait_until(self._queue.idle_or_failed, "ClusterCoordinator.join")
-    self._raise_pending_error("ClusterCoordinator.join")
+    ext = self._strategy.extended
+    try:
+      self._raise_pending_error("ClusterCoordinator.join")
+    except BaseException:
+      # Nothing runs any more (queued functions are cancelled): the reads
+      # are current, except for a ps task that failed (the error names it).
+      ext.refresh_stale(ignore_unavailable=True)
+      raise
+    ext.refresh_stale()
 
   def done(self):
-    """Whether every scheduled function has run (raises an error as `join`)."""
+    """Whether every scheduled function has run (raises an error as `join`);
+    when True, the chief's copies of the variables are refreshed as by `join`."""
     self._raise_pending_error("ClusterCoordinator.done")
-    return self._queue.done()
+    done = self._queue.done()
+    if done:
+      self._strategy.extended.refresh_stale()
+    return done
 
   def _raise_pending_error(self, what):
     """Raises the first error of a scheduled function, once the functions in
@@ -359,7 +390,14 @@ class ClusterCoordinator:
         "ClusterCoordinator.create_per_worker_dataset: expected a function returning "
         f"a dataset, got {type(dataset_fn).__name__}."
       )
-    values = self._create_per_worker(_worker.make_dataset, (dataset_fn,), {}, "a dataset")
+    values = self._create_per_worker(
+      _worker.make_dataset,
+      (dataset_fn,),
+      {},
+      "a dataset",
+      api="ClusterCoordinator.create_per_worker_dataset",
+      arg_names=("dataset_fn",),
+    )
     return PerWorkerDataset(self, values)
 
   def per_worker_values(self, fn, args=(), kwargs=None):
@@ -374,21 +412,27 @@ class ClusterCoordinator:
       raise TypeError(
         f"ClusterCoordinator.per_worker_values: fn must be callable, got {type(fn).__name__}."
       )
-    return self._create_per_worker(fn, tuple(args), dict(kwargs or {}), "a per-worker value")
+    return self._create_per_worker(
+      fn,
+      tuple(args),
+      dict(kwargs or {}),
+      "a per-worker value",
+      api="ClusterCoordinator.per_worker_values",
+    )
 
   def _make_iterators(self, dataset):
     return self._create_per_worker(
       _worker.make_iterator, (dataset,), {}, "an iterator", PerWorkerIterator
     )
 
-  def _create_per_worker(self, fn, args, kwargs, what, kind=PerWorkerValues):
+  def _create_per_worker(
+    self, fn, args, kwargs, what, kind=PerWorkerValues, api="ClusterCoordinator", arg_names=None
+  ):
     ext = self._strategy.extended
     ext.push_chief_writes()
     resource_id = self._next_resource
     self._next_resource += 1
-    payload = _wire.dumps(
-      (fn, args, kwargs), self._strategy, ClusterCoordinator, "ClusterCoordinator"
-    )
+    payload, _ = _wire.dumps(fn, args, kwargs, self._strategy, ClusterCoordinator, api, arg_names)
     values = []
     futures = []
     for w in self._workers:

@@ -3,6 +3,8 @@
 * `options.py`: `InputContext`, `InputOptions`, `InputReplicationMode`.
 * `dataset.py`: `DistributedDataset` and `DistributedIterator` (splitting global
   batches, padding or dropping partial ones, placing the shards).
+* `elements.py`: what one element is (its leaves, whether it has a batch
+  dimension, Python numbers as tensors) and the element_spec check.
 * `prefetch.py`: the background thread that builds and transfers the next
   elements while the current step runs.
 * `sharding.py`: multi-host input, which rows of each global batch a host feeds.

@@ -11,7 +11,11 @@ Every element is built in the prefetch thread (`prefetch.py`):
    `distribute_datasets_from_function` are stacked. On several hosts
    (`hosts=(num_hosts, host_index)`) a host keeps only the rows of its own
    replicas (see `sharding.py` for the policy), so the tensor has one row per
-   local replica;
+   local replica. An element without a batch dimension (`elements.py`: a 0-d
+   tensor, or only Python numbers) is split by nobody: per-replica elements
+   are stacked on a new leading replica axis, so replica r gets exactly its
+   element, and one replica gets a global element whole (with several, such an
+   element is refused: there is nothing to split);
 3. with `experimental_fetch_to_device` the strategy places it: on a
    MirroredStrategy one transfer sends row r straight to replica r's device and
    the tensor becomes a `PerReplica`; a single-replica strategy gets the batch
@@ -19,21 +23,31 @@ Every element is built in the prefetch thread (`prefetch.py`):
 
 Shapes never change between steps (a new shape is a new XLA program): a batch
 smaller than the first one is padded, dropped or refused according to
-`InputOptions.experimental_partial_batch`.
+`InputOptions.experimental_partial_batch`. Elements without a batch dimension
+have no partial batch: when a replica's dataset ends before the others', the
+epoch ends there as in TF (logged), unless "mask" asks for zeros and a mask.
 """
 
 import functools
+import logging
 
-import numpy as np
 import torch
 
 from xladist import _nest
 from xladist.input import order, prefetch
+from xladist.input.elements import (
+  SpecCheck,
+  batch_size,
+  flatten,
+  has_batch_dim,
+  numbers_as_tensors,
+)
 from xladist.input.options import InputReplicationMode
 from xladist.input.sharding import host_replica_ids
 from xladist.values import PerReplica
 
 _NOTHING = object()
+logger = logging.getLogger("xladist")
 
 
 def check_dataset(dataset, api, what="dataset"):
@@ -52,78 +66,11 @@ def check_dataset(dataset, api, what="dataset"):
     )
 
 
-def _flatten(batch):
-  """A batch's leaves (numpy arrays as tensors) and spec: xladist's nests, so a
-  dataclass batch is split by its fields as a step's dataclass result is."""
-  leaves, spec = _nest.flatten(batch)
-  return [torch.from_numpy(x) if isinstance(x, np.ndarray) else x for x in leaves], spec
-
-
-def _batch_size(leaves, api, what):
-  sizes = set()
-  for t in leaves:
-    if isinstance(t, torch.Tensor):
-      if t.dim() == 0:
-        raise ValueError(
-          f"{api}: a {what} holds a scalar tensor ({t!r}); every tensor of a batch "
-          "needs a batch dimension (dim 0) to be split between replicas."
-        )
-      sizes.add(t.shape[0])
-  if not sizes:
-    raise ValueError(
-      f"{api}: a {what} holds no tensor; there is nothing to split between replicas."
-    )
-  if len(sizes) > 1:
-    raise ValueError(
-      f"{api}: the tensors of one {what} have different sizes in dim 0 "
-      f"({sorted(sizes)}); all of them must have the batch size there."
-    )
-  return sizes.pop()
-
-
-def _describe_spec(spec, leaves):
-  parts = [
-    f"{tuple(t.shape[1:])} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
-    for t in leaves
-  ]
-  return f"{spec} with leaves [{', '.join(parts)}] (shape after the batch dim, dtype)"
-
-
-class _SpecCheck:
-  """Refuses a batch whose structure, dtypes or shapes (after the batch dim)
-  differ from the first batch's: a new element_spec would be a new XLA program,
-  or a silently different input, so it is an error before the step runs."""
-
-  def __init__(self, api, what):
-    self.api, self.what = api, what
-    self.first = None
-
-  @staticmethod
-  def _key(spec, leaves):
-    return spec, tuple(
-      (tuple(t.shape[1:]), t.dtype) if isinstance(t, torch.Tensor) else type(t) for t in leaves
-    )
-
-  def check(self, spec, leaves, index):
-    key = self._key(spec, leaves)
-    if self.first is None:
-      self.first = key, _describe_spec(spec, leaves)
-      return
-    if key != self.first[0]:
-      raise ValueError(
-        f"{self.api}: {self.what} {index} of the epoch does not match the "
-        f"element_spec taken from the first {self.what}: it is "
-        f"{_describe_spec(spec, leaves)}, the first was {self.first[1]}. Every "
-        f"{self.what} must have the same structure, dtypes and per-example shapes "
-        "(only a partial last batch may have fewer rows); fix the dataset or "
-        "its collate function."
-      )
-
-
 def _past_the_end(api, position, count, what):
+  """`what`: the plural of what an element is ("batches", "steps", "elements")."""
   return ValueError(
-    f"{api}: the iterator was restored to position {position} ({what}es already "
-    f"taken in this epoch), but the dataset has only {count} {what}es in an epoch "
+    f"{api}: the iterator was restored to position {position} ({what} already "
+    f"taken in this epoch), but the dataset has only {count} {what} in an epoch "
     "now: it is shorter than when the checkpoint was saved. Restore with the "
     "dataset the checkpoint was made with, or start a new epoch (iter() of the "
     "distributed dataset) instead of restoring the position."
@@ -224,6 +171,22 @@ class _Builder:
       mask = torch.stack([(torch.arange(b) < s).to(torch.float32) for s in sizes])
     return out, mask
 
+  def from_elements(self, chunks):
+    """N per-replica leaf lists of elements without a batch dim (None: no element
+    for that replica) -> leaves stacked on a new replica axis; a missing element
+    is zeros (its mask entry 0)."""
+    template = next(c for c in chunks if c is not None)
+    out = []
+    for j, leaf in enumerate(template):
+      if isinstance(leaf, torch.Tensor):
+        out.append(torch.stack([leaf.new_zeros(leaf.shape) if c is None else c[j] for c in chunks]))
+      else:
+        out.append(_group_plain([template[j] if c is None else c[j] for c in chunks]))
+    mask = None
+    if self.partial == "mask":
+      mask = torch.tensor([c is not None for c in chunks], dtype=torch.float32)
+    return out, mask
+
 
 def _group_plain(values):
   """Per-replica non-tensor leaves: one value if all are equal, else a PerReplica."""
@@ -247,12 +210,25 @@ def _global_batch_elements(dataset, builder, api, skip=0):
 
 
 def _global_batches(batches, builder, api, skip):
-  full = None
-  specs = _SpecCheck(api, "batch")
+  full = whole = specs = None
   position, count = skip, 0
   for index, batch in enumerate(batches):
-    leaves, spec = _flatten(batch)
-    size = _batch_size(leaves, api, "batch")
+    leaves, spec = flatten(batch)
+    if whole is None:
+      # One replica splits nothing: an element without a batch dim goes whole.
+      whole = builder.n == 1 and not has_batch_dim(leaves)
+      specs = SpecCheck(api, "element" if whole else "batch", batched=not whole)
+    if whole:
+      leaves = numbers_as_tensors(leaves, api)
+      specs.check(spec, leaves, index)
+      count += 1
+      if skip:
+        skip -= 1
+        continue
+      stacked, mask = builder.from_elements([leaves])
+      yield builder.element(spec, stacked, mask)
+      continue
+    size = batch_size(leaves, api, "batch", builder.n if builder.n > 1 else None)
     specs.check(spec, leaves, index)
     if full is None:
       full = size
@@ -277,7 +253,7 @@ def _global_batches(batches, builder, api, skip):
     stacked, mask = builder.from_global(leaves, size, full)
     yield builder.element(spec, stacked, mask)
   if skip:
-    raise _past_the_end(api, position, count, "batch")
+    raise _past_the_end(api, position, count, "elements" if whole else "batches")
 
 
 def _next_or_none(iterator, done, i):
@@ -305,8 +281,8 @@ def _per_replica_elements(datasets, per_worker, builder, api, skip=0):
 def _per_replica_batches(iterators, per_worker, builder, api, skip):
   n = builder.n
   done = [False] * len(iterators)
-  b = None
-  specs = _SpecCheck(api, "per-replica batch")
+  b = whole = specs = None
+  what = "per-replica batch"
   position, count, index = skip, 0, 0
   while True:
     if per_worker:
@@ -314,35 +290,52 @@ def _per_replica_batches(iterators, per_worker, builder, api, skip):
     else:
       raw = [_next_or_none(it, done, r) for r, it in enumerate(iterators)]
     if all(x is None for x in raw):
-      if skip:
-        raise _past_the_end(api, position, count, "step")
-      return
+      break
     chunks, sizes, spec = [], [], None
     for x in raw:
       if x is None:
         chunks.append(None)
         sizes.append(0)
         continue
-      leaves, s = _flatten(x)
+      leaves, s = flatten(x)
+      if whole is None:
+        # Nothing is split here: an element without a batch dim goes whole to its replica.
+        whole = not has_batch_dim(leaves)
+        what = "per-replica element" if whole else what
+        specs = SpecCheck(api, what, batched=not whole)
       if spec is None:
         spec = s
       elif s != spec:
         raise ValueError(
-          f"{api}: the replicas' batches of one step have different structures "
+          f"{api}: the replicas' {what}s of one step have different structures "
           f"({spec} vs {s}); every pipeline must yield the same structure."
         )
+      if whole:
+        leaves = numbers_as_tensors(leaves, api)
+      else:
+        sizes.append(batch_size(leaves, api, what))
       chunks.append(leaves)
-      sizes.append(_batch_size(leaves, api, "per-replica batch"))
       specs.check(s, leaves, index)
       index += 1
+    if whole:
+      if None in chunks and builder.partial != "mask":
+        _end_at_a_missing_element(api, chunks, count, builder.partial)
+        break
+      count += 1
+      if skip:
+        skip -= 1
+        continue
+      stacked, mask = builder.from_elements(chunks)
+      yield builder.element(spec, stacked, mask)
+      continue
     if b is None:
       b = next(s for s in sizes if s)
     for s in sizes:
       if s > b:
-        raise _larger_error(api, "per-replica batch", s, b)
+        raise _larger_error(api, what, s, b)
     if any(s < b for s in sizes):
       if builder.partial is None:
-        raise _partial_error(api, "per-replica batch", min(sizes), b)
+        raise _partial_error(api, what, min(sizes), b)
       if builder.partial == "drop":
         continue
     count += 1
@@ -351,6 +344,30 @@ def _per_replica_batches(iterators, per_worker, builder, api, skip):
       continue
     stacked, mask = builder.from_chunks(chunks, sizes, b)
     yield builder.element(spec, stacked, mask)
+  if skip:
+    raise _past_the_end(api, position, count, "steps")
+
+
+def _end_at_a_missing_element(api, chunks, step, partial):
+  """The epoch of per-replica elements without a batch dim ends at the first step
+  some replica has no element for, as in TF (their shapes are static, so TF's
+  iterator ends as soon as one replica's does, input_lib's
+  `_enable_get_next_as_optional`); logged unless "drop" asked for it."""
+  if partial == "drop":
+    return
+  missing = [r for r, c in enumerate(chunks) if c is None]
+  had = [r for r, c in enumerate(chunks) if c is not None]
+  logger.warning(
+    "%s: no element for replicas %s at step %d (their datasets ended): the epoch "
+    "ends here, as in TF, and the elements replicas %s had for this step are not "
+    "used. Pass options=xd.InputOptions(experimental_partial_batch='mask') to get "
+    "them, with zeros and a mask for the replicas without one, or give every "
+    "replica the same number of elements.",
+    api,
+    missing,
+    step,
+    had,
+  )
 
 
 def _host_place(num_replicas, tensors):
@@ -442,11 +459,10 @@ def _batch_sizes_known_now(dataset):
   if isinstance(dataset, (list, tuple)) and dataset:
     sizes = []
     for batch in (dataset[0], dataset[-1]):
-      leaves, _ = _flatten(batch)
-      tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0]
-      if not tensors:
-        return None
-      sizes.append(tensors[0].shape[0])
+      leaves, _ = flatten(batch)
+      if not has_batch_dim(leaves):
+        return None  # elements taken whole: no batch size to check
+      sizes.append(next(t for t in leaves if isinstance(t, torch.Tensor)).shape[0])
     return tuple(sizes)
   return None
 

@@ -134,6 +134,15 @@ class InputOptions:
           Weight per-example results with the mask (sum(loss * mask) /
           sum of all masks) so that padding counts for nothing;
         "drop": a partial batch is skipped.
+      Per-replica elements without a batch dimension (scalars; see
+      `distribute_datasets_from_function`) have no partial batch, only
+      replicas whose datasets ended first: None ends the epoch at the first
+      step some replica has no element for, as TF does (a warning on the
+      "xladist" logger names the elements left unused); "drop" ends it there
+      without the warning; "mask" goes on until every dataset has ended, with
+      zeros for a replica without an element and a 0-d float32 mask per
+      replica (1.0 real, 0.0 padding). With one replica, an element without a
+      batch dimension is `(element, 1.0)` under "mask".
 
   Raises:
     TypeError: a field has the wrong type.

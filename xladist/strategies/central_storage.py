@@ -21,11 +21,15 @@ per-replica components on the host too, so training gives the same numbers as
 MirroredStrategy.
 """
 
+import contextlib
+
 import torch
+from torch.overrides import TorchFunctionMode
 
 from xladist import context
 from xladist import runtime as _runtime
 from xladist import variable_policy as policies
+from xladist._nest import flatten
 from xladist._step.engine import StepEngine
 from xladist.communication_options import CommunicationOptions
 from xladist.extended import _variable_tensor
@@ -75,13 +79,21 @@ class _CentralStorageEngine(StepEngine):
 
   def trace(self, fn, args, kwargs, region, made):
     ext = self._ext
+    self._guard = _ReadAfterUpdate(ext, region.step)
 
     def step(*a, **k):
-      out = fn(*a, **k)
+      try:
+        out = fn(*a, **k)
+      finally:
+        self._guard.stop()
+      self._guard.check_outputs(out)
       ext._reduce_leftover_gradients(region)
       return out
 
-    out = super().trace(step, args, kwargs, region, made)
+    try:
+      out = super().trace(step, args, kwargs, region, made)
+    finally:
+      self._guard = None  # it refers to the step's tensors, which must not outlive it
     # The reduced gradients leave the region as replicated global tensors
     # before the step's local tensors are invalidated.
     ext._updates = [
@@ -93,20 +105,97 @@ class _CentralStorageEngine(StepEngine):
   def before_optimizer_step(self, ctx, optimizer):
     """optimizer.step() in a replica context: reduce the gradients across
     replicas (as MirroredStrategy) and keep them for the host update; the
-    optimizer sees no gradient inside the step, so it changes nothing there."""
+    optimizer sees no gradient inside the step, so it changes nothing there.
+    From here to the end of the step function, a read of the updated
+    parameters is refused (`_ReadAfterUpdate`)."""
     step = self.region.step
-    params = self._optimizer_params(
-      optimizer, "its parameters live in the strategy's central storage"
-    )
-    self.aggregate_gradients(ctx, params, "optimizer.step()")
-    grads = [p.grad for p in params]
-    step.stepped.update(id(p) for p in params)
-    self._ext._updates.append((optimizer, list(zip(params, grads))))
-    for p in params:
-      p.grad = None
+    with self._guard.paused():
+      params = self._optimizer_params(
+        optimizer, "its parameters live in the strategy's central storage"
+      )
+      self.aggregate_gradients(ctx, params, "optimizer.step()")
+      grads = [p.grad for p in params]
+      step.stepped.update(id(p) for p in params)
+      self._ext._updates.append((optimizer, list(zip(params, grads))))
+      for p in params:
+        p.grad = None
+    self._guard.start()
 
   def after_optimizer_step(self, optimizer):
     return None
+
+
+# What a torch function may do with an updated parameter: attributes (t.grad,
+# t.shape) and metadata, which read no value.
+_METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.__hash__}
+
+
+class _ReadAfterUpdate(TorchFunctionMode):
+  """Refuses reads of parameters updated by `optimizer.step()` earlier in the
+  same step function: the update runs on the host after the step's program,
+  so inside the step such a read would see the value before the update
+  (MirroredStrategy's step sees the new one). Active from the first
+  optimizer.step() of a step to the end of the step function."""
+
+  def __init__(self, ext, step):
+    super().__init__()
+    self._ext = ext
+    self._step = step
+    self._active = False
+    self._entered = False
+
+  def start(self):
+    if not self._entered:
+      self.__enter__()
+      self._entered = True
+    self._active = True
+
+  def stop(self):
+    self._active = False
+    if self._entered:
+      self._entered = False
+      self.__exit__(None, None, None)
+
+  @contextlib.contextmanager
+  def paused(self):
+    active, self._active = self._active, False
+    try:
+      yield
+    finally:
+      self._active = active
+
+  def __torch_function__(self, func, types, args=(), kwargs=None):
+    kwargs = kwargs or {}
+    if self._active and func not in _METADATA:
+      if getattr(func, "__name__", None) not in ("__get__", "__set__"):
+        for leaf in flatten((args, kwargs))[0]:
+          if isinstance(leaf, torch.Tensor) and id(leaf) in self._step.stepped:
+            raise self._error(leaf, f"{getattr(func, '__name__', func)}(...) reads")
+    return func(*args, **kwargs)
+
+  def check_outputs(self, out):
+    for leaf in flatten(out)[0]:
+      if isinstance(leaf, torch.Tensor) and id(leaf) in self._step.stepped:
+        raise self._error(leaf, "the step function returns")
+
+  def _error(self, tensor, what):
+    name = next(
+      (
+        n
+        for m in self._ext._store.modules()
+        for n, p in m.named_parameters(remove_duplicate=False)
+        if p is tensor
+      ),
+      f"of shape {tuple(tensor.shape)}",
+    )
+    return RuntimeError(
+      f"CentralStorageStrategy: {what} the parameter {name} after optimizer.step() "
+      "updated it in the same strategy.run. The update runs on the host after the "
+      "step's program, so inside the step the parameter still holds its value "
+      "before the update (MirroredStrategy's would hold the new one). Read it in "
+      "the next strategy.run or after run returns, or compute what needs it before "
+      "optimizer.step()."
+    )
 
 
 class CentralStorageExtended(SPMDExtended):
@@ -338,9 +427,13 @@ class CentralStorageStrategy(Strategy):
 
   Differences from MirroredStrategy that a step can see: `optimizer.step()`
   inside `run` updates the variables after the step's program has run (on the
-  host), so a read of a parameter later in the same step function sees the
-  value before the update; each `run` cuts the graph (the host update needs
-  the gradients), so `experimental_run_steps` gives one execution per step.
+  host), so inside the step the parameters still hold their old values: a
+  read of a parameter after `optimizer.step()` updated it, later in the same
+  step function (a second forward, a metric, returning it), raises a
+  RuntimeError saying so, instead of giving the old value; read it in the
+  next `run` or after `run` returns. Each `run` cuts the graph (the host
+  update needs the gradients), so `experimental_run_steps` gives one
+  execution per step.
 
   Args:
     compute_devices: None (all local XLA devices) or the list of every local

@@ -58,16 +58,21 @@ class SPMDExtended(StrategyExtended):
 
   def _place_inputs(self, tensors):
     # Row r of each tensor goes straight to replica r's device; the host tensors
-    # of one element are transferred in one call.
+    # of one element are transferred in one call. A 1-D host tensor (a 0-d
+    # element per replica) is transferred, then split: torch_xla 2.9's sharding
+    # spec cannot send one straight to a (replica, core) mesh (IndexError).
     n = self._num_replicas_in_sync
-    host = [t for t in tensors if t.device.type != "xla"]
+    host = [t for t in tensors if t.device.type != "xla" and t.dim() > 1]
     placed = iter(_runtime.place_split_many(host) if host else ())
-    return [
-      PerReplica._from_stacked(
-        _runtime.place_split(t) if t.device.type == "xla" else next(placed), n
-      )
-      for t in tensors
-    ]
+
+    def place(t):
+      if t.device.type == "xla":
+        return _runtime.place_split(t)
+      if t.dim() == 1:
+        return _runtime.place_split(t.to(_runtime.device()))
+      return next(placed)
+
+    return [PerReplica._from_stacked(place(t), n) for t in tensors]
 
   def _replica_iota(self):
     if self._iota is None:

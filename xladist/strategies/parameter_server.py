@@ -12,12 +12,14 @@ on the ps tasks when the scope is left: each parameter and buffer becomes a
 variable held by one ps task, round-robin in creation order, or, with a
 `variable_partitioner`, split along dim 0 into shards placed round-robin.
 The chief's tensors keep a copy of the values (the initial ones, refreshed by
-`extended.read_var`, `state_dict()` and checkpoints); writes to them on the
+the coordinator's `join()` for every variable the scheduled functions refer
+to, by `extended.read_var`, `state_dict()` and checkpoints); writes to them on the
 chief (`load_state_dict`, `Variable.assign`, in-place ops) are sent to the ps
 tasks before the next scheduled function.
 
-On a worker, a scheduled function sees the same objects (its arguments are
-sent by value, the variables by reference): the worker reads the variables
+On a worker, a scheduled function sees the same objects (it and its arguments
+are sent by value with cloudpickle, closures included, the variables,
+optimizers and per-worker values by reference): the worker reads the variables
 from the ps tasks when the function starts, runs it on its XLA device, and
 sends the optimizer's gradients back, where the ps tasks apply them.
 """
@@ -138,6 +140,7 @@ class ParameterServerExtended(StrategyExtended):
     self._pending = []  # (tensor, VarInfo) created, not yet sent to the ps tasks
     self._vars = weakref.WeakValueDictionary()  # var_id -> chief tensor
     self._versions = {}  # var_id -> the chief tensor's write stamp when last synced
+    self._stale = set()  # var_ids scheduled functions may have changed since the last read
     self._next_opt = 0
     self._coordinator = None
     self._closed = False
@@ -263,6 +266,30 @@ class ParameterServerExtended(StrategyExtended):
         t.copy_(v)
         self._versions[info_of(t).var_id] = _stamp(t)
 
+  def mark_stale(self, var_ids):
+    """Records that a scheduled function may change these variables."""
+    with self._lock:
+      self._stale.update(var_ids)
+
+  def refresh_stale(self, ignore_unavailable=False):
+    """Reads the variables scheduled functions may have changed since the last
+    refresh into the chief's copies (the coordinator's `join`, `done`).
+
+    Raises:
+      TaskUnavailableError: a ps task could not be reached (unless
+        `ignore_unavailable`; the variables stay marked).
+    """
+    with self._lock:
+      stale, self._stale = self._stale, set()
+    tensors = [t for t in (self._vars.get(i) for i in sorted(stale)) if t is not None]
+    try:
+      self.pull(tensors)
+    except _rpc.TaskUnavailableError:
+      with self._lock:
+        self._stale.update(stale)
+      if not ignore_unavailable:
+        raise
+
   def push(self, tensors):
     """Sets the ps variables behind `tensors` to the chief's values."""
     items = []
@@ -359,10 +386,11 @@ class ParameterServerExtended(StrategyExtended):
     if self._closed:
       return
     self._closed = True
+    graceful = False
     try:
-      server.stop_cluster(self._layout)
+      graceful = server.stop_cluster(self._layout)
     finally:
-      _rpc.stop()
+      _rpc.stop(graceful=graceful, timeout=server.LEAVE_SECONDS)
 
   # -- running ------------------------------------------------------------------------------
   def _call_for_each_replica(self, fn, args, kwargs, options=None):
@@ -524,13 +552,22 @@ class ParameterServerStrategy(Strategy):
       coordinator.schedule(train_step, args=(model, optimizer, per_worker_iter))
     coordinator.join()
 
-  Scheduled functions are sent by pickling: a module-level function (or a
-  functools.partial of one) importable on the workers, with the model, the
-  optimizer and per-worker iterators as arguments. Variables travel by
-  reference; a worker reads them from the ps tasks when the function starts,
-  runs it on its XLA device, and `optimizer.step()` there sends the gradients
-  to the ps tasks, which apply them with the optimizer (its state stays on
-  the ps tasks) and return the new values.
+  Scheduled functions are sent by pickling (cloudpickle): a module-level
+  function by reference, a function defined inside another (TF's `worker_fn`
+  capturing the model, the optimizer and a per-worker iterator) or a lambda
+  by value, with what it captures. The strategy's variables, models,
+  optimizers and per-worker values and iterators travel as references,
+  whether arguments or captured: a worker reads the variables from the ps
+  tasks when the function starts, runs it on its XLA device, and
+  `optimizer.step()` there sends the gradients to the ps tasks, which apply
+  them with the optimizer (its state stays on the ps tasks) and return the
+  new values.
+
+  Security: run a cluster on a trusted network only. Scheduled functions are
+  pickled Python that the workers run, so whoever can reach a task's ports
+  (this chief's address from the cluster spec, every task's RPC listeners)
+  can run code in it, as with TF's servers; every task listens only on its
+  own address from the cluster spec.
 
   Args:
     cluster_resolver: a `cluster_resolver.ClusterResolver` whose cluster has

@@ -1,0 +1,9 @@
+"""Tests of the jax runtime's pieces, run by `make test-jax` in the jax environment
+(torch + jax + torchax, no torch_xla; `make venv-jax`). `make test` leaves this
+folder out: torchax cannot live in torch_xla's environment (torch_xla 2.9 bundles
+an old copy of it)."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
