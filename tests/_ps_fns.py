@@ -3,6 +3,7 @@ travel by reference (the workers import this module); the tests' closures
 travel by value."""
 
 import itertools
+import os
 import time
 
 import torch
@@ -116,3 +117,25 @@ def tutorial_step(model, optimizer, steps, iterator):
 def make_counter():
   """A per-worker value: a list holding one count."""
   return [0]
+
+
+class PidDataset:
+  """Endless elements [pid of the process that made the dataset, position]."""
+
+  def __init__(self):
+    self.pid = os.getpid()
+
+  def __iter__(self):
+    return (torch.tensor([self.pid, i]) for i in itertools.count())
+
+
+def pid_dataset():
+  return PidDataset()
+
+
+def take_and_count(iterator, counter, seconds):
+  """(worker index, this process's pid, the next element); counts the run on the ps."""
+  element = next(iterator)
+  time.sleep(seconds)
+  counter.assign_add(1.0)
+  return xd.get_strategy().extended._worker_index, os.getpid(), element

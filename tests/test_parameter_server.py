@@ -3,8 +3,8 @@
 The cluster is this test process as the chief (the coordinator) plus 2 worker
 and 2 ps processes (`_ps_server.py`) on free localhost ports, started once for
 the module and killed by pid at its end (also when a test fails). The tests
-run in file order: the worker and ps failure tests come last, since a killed
-task cannot rejoin the RPC group.
+run in file order: the worker and ps failure tests come last; a killed worker
+is started again by the restart test only, and a killed ps task cannot rejoin.
 
 TF's semantics come from tensorflow/python/distribute/parameter_server_strategy_v2_test.py
 (round-robin placement, partitioned variables), sharded_variable_test.py
@@ -62,10 +62,16 @@ class _Cluster:
     env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), str(HERE), env.get("PYTHONPATH", "")])
     self.procs = {}
+    self._env = env
     for job in ("worker", "ps"):
       for i in range(2):
-        cmd = [sys.executable, str(HERE / "_ps_server.py"), json.dumps(self.spec), job, str(i)]
-        self.procs[f"{job}:{i}"] = subprocess.Popen(cmd, env=env)
+        self.start(f"{job}:{i}")
+
+  def start(self, task, **popen):
+    """Starts `task` ("worker:1"), or starts it again with the same command."""
+    job, index = task.split(":")
+    cmd = [sys.executable, str(HERE / "_ps_server.py"), json.dumps(self.spec), job, index]
+    self.procs[task] = subprocess.Popen(cmd, env=self._env, **popen)
 
   def kill_all(self):
     for p in self.procs.values():
@@ -598,6 +604,72 @@ def test_a_worker_that_stops_answering_is_used_again_when_it_comes_back(cluster)
   assert coordinator.experimental_worker_stats[0]["completed"] > before
 
 
+def _wait_for(predicate, what, seconds=120):
+  deadline = time.monotonic() + seconds
+  while not predicate():
+    assert time.monotonic() < deadline, what
+    time.sleep(0.05)
+
+
+def test_a_restarted_worker_rejoins_and_its_per_worker_datasets_are_rebuilt(cluster):
+  """TF's fault_tolerance_test_base.py (testWorkerPreemptionMidstFunction,
+  testWorkerContinuousFailure): worker 1 is killed (SIGKILL) while functions
+  run and started again with the same command; join completes, functions
+  scheduled afterwards run on the new process too, whose per-worker dataset
+  was made again (its iterator starts over). Each function takes one element
+  and counts one run on a ps variable: nothing is lost, and only a function
+  killed after it counted and before it returned counts twice (at-least-once)."""
+  strategy, coordinator = cluster.strategy, cluster.coordinator
+  with strategy.scope():
+    counter = xd.Variable(0.0)
+  iterator = iter(coordinator.create_per_worker_dataset(fns.pid_dataset))
+  old_pid = cluster.procs["worker:1"].pid
+  restarts = coordinator.experimental_worker_stats[1]["restarts"]
+  results = [
+    coordinator.schedule(fns.take_and_count, args=(iterator, counter, 0.3)) for _ in range(12)
+  ]
+  done_before = coordinator.experimental_worker_stats[1]["completed"]
+  _wait_for(
+    lambda: coordinator.experimental_worker_stats[1]["completed"] >= done_before + 2,
+    "worker 1 ran no function",
+  )
+  victim = cluster.procs["worker:1"]
+  victim.send_signal(signal.SIGKILL)
+  victim.wait(timeout=30)
+  cluster.start("worker:1")
+  new_pid = cluster.procs["worker:1"].pid
+  coordinator.join()
+  _wait_for(
+    lambda: (
+      coordinator.experimental_worker_stats[1]["restarts"] == restarts + 1
+      and coordinator.experimental_worker_stats[1]["available"]
+    ),
+    "the restarted worker 1 was not used again",
+  )
+  for _ in range(10):  # until the new process ran some functions (bounded)
+    results += [
+      coordinator.schedule(fns.take_and_count, args=(iterator, counter, 0.1)) for _ in range(6)
+    ]
+    coordinator.join()
+    if any(int(r.fetch()[1]) == new_pid for r in results):
+      break
+  runs = [(int(w), int(pid), int(e[0]), int(e[1])) for w, pid, e in (r.fetch() for r in results)]
+  on_new = [r for r in runs if r[1] == new_pid]
+  assert on_new, "no function ran on the restarted worker"
+  # The restarted worker's functions ran there (worker index 1) and took from a
+  # dataset made in that process, from its start: every position once.
+  assert all(w == 1 and made_by == new_pid for w, _, made_by, _ in on_new)
+  assert sorted(pos for *_, pos in on_new) == list(range(len(on_new)))
+  on_old = [r for r in runs if r[1] == old_pid]
+  assert all(w == 1 and made_by == old_pid for w, _, made_by, _ in on_old)
+  on_0 = [r for r in runs if r[0] == 0]
+  assert len(on_0) + len(on_old) + len(on_new) == len(runs)
+  count = float(strategy.extended.read_var(counter))
+  assert len(runs) <= count <= len(runs) + 1
+  stats = coordinator.experimental_worker_stats
+  assert stats[1]["restarts"] == restarts + 1 and stats[1]["available"] is True
+
+
 def test_a_killed_worker_has_its_functions_rescheduled(cluster):
   """SIGKILL of worker 1 while functions run: join completes, every function
   ran to completion exactly once (each RemoteValue has its own index)."""
@@ -644,3 +716,8 @@ def test_a_killed_ps_task_raises_a_clear_error_naming_it(cluster):
   assert time.monotonic() - start < TIMEOUT
   with pytest.raises(xd.coordinator.TaskUnavailableError, match="/job:ps/replica:0/task:1"):
     strategy.extended.read_var(on_ps1)
+  # Started again, the ps task is refused at once (its variables are lost).
+  cluster.start("ps:1", stderr=subprocess.PIPE, text=True)
+  _, err = cluster.procs["ps:1"].communicate(timeout=120)
+  assert cluster.procs["ps:1"].returncode != 0
+  assert "ps task ps:1 is a restarted process; a ps task cannot rejoin" in err

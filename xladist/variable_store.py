@@ -250,17 +250,17 @@ class VariableStore:
     """Every tracked XLA tensor: module parameters and buffers."""
     for module in self.modules():
       for t in module._parameters.values():
-        if t is not None and t.device.type == "xla":
+        if t is not None and t.is_xla:
           yield t
       for t in module._buffers.values():
-        if t is not None and t.device.type == "xla":
+        if t is not None and t.is_xla:
           yield t
 
   @staticmethod
   def optimizer_state_slots(optimizer):
     for state in optimizer.state.values():
       for key, v in state.items():
-        if isinstance(v, torch.Tensor) and v.device.type == "xla":
+        if isinstance(v, torch.Tensor) and v.is_xla:
           yield state, key, v
 
   def enter(self, step):

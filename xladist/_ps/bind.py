@@ -113,6 +113,15 @@ def register_rendezvous():
     _registered["done"] = True
 
 
+def client_store(address, timeout):
+  """A client of the chief's rendezvous store at `address` ("host:port"); it
+  waits up to `timeout` seconds for the chief to be up."""
+  from torch.distributed import TCPStore
+
+  host, port = split_address(address)
+  return TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout))
+
+
 def _rendezvous(url, timeout=datetime.timedelta(minutes=30), **kwargs):
   """torch's tcp:// rendezvous, with the chief's store bound to its own address."""
   from torch.distributed import TCPStore

@@ -5,6 +5,17 @@ chief is rank 0 and hosts the rendezvous (a TCPStore at the chief's address
 from the cluster spec), workers follow by index, then the ps tasks. Tasks are
 named as TF names them ("worker:1" for /job:worker/task:1).
 
+A worker that died and is started again with the same command (TF's cluster
+manager restarting a preempted worker) cannot take its old place: torch 2.9's
+static group keeps the first incarnation's name and rank, and its gloo
+barrier has passed. The new process joins as an extra member instead, with a
+name and rank of its own ("worker:1_restart1", a rank past the static ones):
+it starts its agent on a key space of its own in the chief's store (torch
+refuses a dynamic agent in a static group's space), publishes its address in
+the group's space, adds the chief and the ps tasks to its agent, and asks the
+chief to add it (`_admit`). The task name stays the user's view: callers name
+tasks, `route` maps a task to its current RPC name.
+
 Remote functions never raise: they return `("ok", value)` or an error record
 (see `error_record`), so an exception that reaches the caller of `call` /
 `wait` is a transport failure (the task died, the connection broke, or the
@@ -103,8 +114,16 @@ class Layout:
     return 1 + self.num_workers + index
 
 
-_agent = {"name": None, "layout": None}
+_agent = {"name": None, "layout": None, "rpc_name": None, "restarted": False}
 _agent_lock = threading.Lock()
+# Guards the agent's member tables: torch 2.9 does not lock them in a static
+# group, so adding a member must not race with a call looking one up.
+_members_lock = threading.Lock()
+_routes = {}  # task -> the RPC name of its current incarnation, where not the task's
+_admitted = {"hook": None, "tasks": set()}
+# torch 2.9's init_rpc prefixes the keys of a process's first RPC group with this.
+_GROUP_PREFIX = "rpc_prefix_0"
+_FORMED_KEY = "xladist_formed"
 
 
 def current_task():
@@ -115,6 +134,46 @@ def current_task():
 def current_layout():
   """The Layout of the cluster this process joined, or None."""
   return _agent["layout"]
+
+
+def route(task):
+  """The RPC name of `task`'s current incarnation."""
+  return _routes.get(task, task)
+
+
+def set_route(task, rpc_name):
+  _routes[task] = rpc_name
+
+
+def restarted_tasks():
+  """The tasks that rejoined the cluster as a new process (seen by the chief)."""
+  return set(_admitted["tasks"])
+
+
+def on_admit(hook):
+  """Calls `hook(task, rpc_name)` when a restarted task rejoins (the chief's
+  coordinator switches to it once its per-worker values are rebuilt). Without
+  a hook, calls to the task go to the new process at once."""
+  _admitted["hook"] = hook
+
+
+def _admit(task, rpc_name, rank):
+  """Remote function, on the chief: a restarted `task` joined as `rpc_name`."""
+  import torch.distributed.rpc as rpc
+
+  try:
+    with _members_lock:
+      agent = rpc.api._get_current_rpc_agent()
+      agent._update_group_membership(rpc.WorkerInfo(rpc_name, rank), [], {}, True)
+    _admitted["tasks"].add(task)
+    hook = _admitted["hook"]
+    if hook is None:
+      set_route(task, rpc_name)
+    else:
+      hook(task, rpc_name)
+    return ("ok", None)
+  except Exception as e:  # noqa: BLE001 - returned to the caller as data
+    return error_record(e, current_task() or "chief:0")
 
 
 def start(layout, job, index, timeout_seconds, api):
@@ -143,6 +202,22 @@ def start(layout, job, index, timeout_seconds, api):
     name = task_name(job, index)
     _agent["joined_before"] = name
     bind.register_rendezvous()
+    try:
+      rejoin = job != "chief" and _cluster_formed(layout, timeout_seconds)
+    except Exception as e:  # noqa: BLE001 - torch's store errors, reported as the join's
+      raise TimeoutError(
+        f"{api}: task {name} could not reach the cluster's rendezvous at "
+        f"{layout.chief_address} within {timeout_seconds:.0f} s: {_short(e).rstrip('.')}. "
+        "Start the chief (it hosts the rendezvous), check that its address is reachable, "
+        "or raise the timeout."
+      ) from None
+    if rejoin and job == "ps":
+      raise RuntimeError(
+        f"{api}: the cluster at {layout.chief_address} already formed, so ps task "
+        f"{name} is a restarted process; a ps task cannot rejoin (the variables it held "
+        "are lost, as in TF, where a ps failure ends the program). Restart the whole "
+        "cluster and restore the variables from a checkpoint."
+      )
     options = rpc.TensorPipeRpcBackendOptions(
       # The store listens on the chief's address only (torch's tcp:// binds "::").
       init_method=f"{bind.SCHEME}://{layout.chief_address}",
@@ -155,15 +230,22 @@ def start(layout, job, index, timeout_seconds, api):
 
     def join():
       try:
-        with warnings.catch_warnings():
-          # torch 2.9 warns about the gloo group rpc builds for its own barrier.
-          warnings.simplefilter("ignore", UserWarning)
-          rpc.init_rpc(
-            name,
-            rank=layout.rank(job, index),
-            world_size=layout.world_size,
-            rpc_backend_options=options,
-          )
+        if rejoin:
+          _rejoin(layout, name, options, timeout_seconds)
+        else:
+          with warnings.catch_warnings():
+            # torch 2.9 warns about the gloo group rpc builds for its own barrier.
+            warnings.simplefilter("ignore", UserWarning)
+            rpc.init_rpc(
+              name,
+              rank=layout.rank(job, index),
+              world_size=layout.world_size,
+              rpc_backend_options=options,
+            )
+          _agent["rpc_name"] = name
+          if job == "chief":
+            # Tasks started from now on are restarted ones: they rejoin.
+            rpc.api._get_current_rpc_agent().store.set(_FORMED_KEY, "1")
         outcome.append(None)
       except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
         outcome.append(e)
@@ -183,6 +265,44 @@ def start(layout, job, index, timeout_seconds, api):
         "task of the cluster (chief, workers and ps tasks, each with the same "
         "cluster spec), check that the chief's address is reachable, or raise the timeout."
       )
+
+
+def _cluster_formed(layout, timeout):
+  """Whether the chief's RPC group has formed (then this process is a restarted task)."""
+  store = bind.client_store(layout.chief_address, timeout)
+  try:
+    return store.check([f"{_GROUP_PREFIX}/{_FORMED_KEY}"])
+  finally:
+    del store
+
+
+def _rejoin(layout, name, options, timeout):
+  """Joins a formed cluster as a new incarnation of task `name` (see the module doc)."""
+  import torch.distributed as dist
+  import torch.distributed.autograd as dist_autograd
+  import torch.distributed.rpc as rpc
+
+  store = bind.client_store(layout.chief_address, timeout)
+  incarnation = store.add(f"xladist_incarnations/{name}", 1)
+  rank = layout.world_size + store.add("xladist_extra_ranks", 1) - 1
+  rpc_name = f"{name}_restart{incarnation}"
+  own = dist.PrefixStore(f"xladist_rejoin_{rank}", store)
+  # What rpc.init_rpc does, on a store of its own (torch 2.9 checks the group's
+  # "static" flag in the store, which the first incarnation set).
+  dist_autograd._init(rank)
+  rpc._set_profiler_node_id(rank)
+  rpc._init_rpc_backend(rpc.BackendType.TENSORPIPE, own, rpc_name, rank, None, options)
+  store.set(f"{_GROUP_PREFIX}/addrs/{rpc_name}", own.get(f"addrs/{rpc_name}"))
+  agent = rpc.api._get_current_rpc_agent()
+  peers = [("chief:0", 0)] + [(p, layout.rank("ps", i)) for i, p in enumerate(layout.ps)]
+  with _members_lock:
+    for peer, peer_rank in peers:
+      own.set(f"addrs/{peer}", store.get(f"{_GROUP_PREFIX}/addrs/{peer}"))
+      agent._update_group_membership(rpc.WorkerInfo(peer, peer_rank), [], {}, True)
+  _agent["rpc_name"], _agent["restarted"] = rpc_name, True
+  result = call("chief:0", _admit, (name, rpc_name, rank), timeout, "rejoining the cluster")
+  if result[0] != "ok":
+    raise rebuild_error(result)
 
 
 def stop(graceful=False, timeout=DEFAULT_TIMEOUT):
@@ -207,6 +327,8 @@ def stop(graceful=False, timeout=DEFAULT_TIMEOUT):
       return True
     _agent["name"] = None
     _agent["layout"] = None
+    # A restarted task is no member of the static group's shutdown barrier.
+    graceful = graceful and not _agent["restarted"]
     if not graceful:
       rpc.shutdown(graceful=False)
       return False
@@ -230,7 +352,8 @@ def call_async(task, fn, args=(), timeout=DEFAULT_TIMEOUT):
   import torch.distributed.rpc as rpc
 
   try:
-    return rpc.rpc_async(task, fn, args=args, timeout=timeout)
+    with _members_lock:
+      return rpc.rpc_async(route(task), fn, args=args, timeout=timeout)
   except RuntimeError as e:
     raise TaskUnavailableError(task, _short(e)) from None
 

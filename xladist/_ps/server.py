@@ -16,6 +16,12 @@ listeners) can run code in it, as with TF's servers (TF's SECURITY.md). Each
 task listens only on its own address from the cluster spec (the interface
 holding it), not on every interface; see `xladist/_ps/bind.py`.
 
+A worker that dies can be started again with the same command: it rejoins the
+cluster as a new incarnation of its task, and the chief's coordinator rebuilds
+its per-worker datasets and values there and uses it again (TF's cluster
+manager restarting a preempted worker). A restarted ps task is refused: its
+variables are lost.
+
 Example, on each worker and ps host (TF_CONFIG names the task)::
 
   import xladist as xd
@@ -77,6 +83,9 @@ class Server:
     ValueError: the cluster is not a parameter-server cluster, or the job or
       task is not in it (the chief runs the coordinator, not a Server).
     TypeError: an argument has the wrong type.
+    RuntimeError: (at start) a ps task started after the cluster formed: a
+      restarted ps task cannot rejoin (its variables are lost). A restarted
+      worker rejoins.
   """
 
   def __init__(
@@ -194,14 +203,16 @@ def stop_cluster(layout, timeout=5.0):
 
   First every task is asked whether it is up: if all answer, all of them
   (the chief too) leave through the RPC group's shutdown barrier, which is
-  quiet; with a task gone, the barrier would wait for it, so every task
-  leaves at once (TensorPipe then logs the closed connections).
+  quiet; with a task gone, or a worker restarted (it is no member of the
+  barrier), every task leaves at once (TensorPipe then logs the closed
+  connections).
 
   Returns:
     Whether the chief should leave gracefully (every task answered).
   """
   tasks = layout.workers + layout.ps
-  graceful = _answering(tasks, timeout) == len(tasks)
+  # A restarted worker is an extra member, outside the static group's barrier.
+  graceful = _answering(tasks, timeout) == len(tasks) and not _rpc.restarted_tasks()
   futures = []
   for task in tasks:
     try:

@@ -41,7 +41,7 @@ from xladist._step import seeds
 from xladist._step.grad_clip import ensure_installed as _ensure_clipping_hook
 from xladist._step.region import HOST_READ_MESSAGE, Region
 from xladist._step.replay import PLACED, Replayer
-from xladist._step.tensors import StepTensors, describe_fn
+from xladist._step.tensors import StepTensors
 from xladist._step.xm_idioms import guarded as _xm_guarded
 from xladist.replica_context import ReplicaContext
 from xladist.values import PerReplica
@@ -118,7 +118,7 @@ class StepEngine:
       region.close()
       self.region = None
       del step
-      made.release(keep, describe_fn(fn))
+      made.release(keep, fn)
     return attempt.finish(out)
 
   def trace(self, fn, args, kwargs, region, made):

@@ -87,7 +87,7 @@ class Region:
   @staticmethod
   def local_replicated(t):
     """A mirrored global tensor -> the whole tensor on each replica."""
-    if t.device.type != "xla":
+    if not t.is_xla:
       t = _runtime.place_replicated(t)
     else:
       _runtime.ensure_sharded(t)
@@ -131,12 +131,12 @@ class Region:
   # -- leaving --------------------------------------------------------------------
   def exit_value(self, value):
     value = _logical.whole(value)
-    if isinstance(value, torch.Tensor) and value.device.type != "xla":
+    if isinstance(value, torch.Tensor) and not value.is_xla:
       # Made on the host inside fn: every replica made its own (TF: a PerReplica).
       if self.num_replicas == 1:
         return value
       return PerReplica(tuple(value.clone() for _ in range(self.num_replicas)))
-    if isinstance(value, torch.Tensor) and value.device.type == "xla":
+    if isinstance(value, torch.Tensor):  # an XLA tensor (host tensors are handled above)
       local = value.detach().unsqueeze(0)
       full = torch.Size((self.num_replicas,) + tuple(value.shape))
       sharding = _runtime.replica_sharding(local.dim(), self.num_replicas)

@@ -88,6 +88,13 @@ def _names(code):
   return names
 
 
+@functools.lru_cache(maxsize=256)
+def _sets_modes(code):
+  """Whether `code` (or a function defined in it) names `train` or `eval`: the
+  same answer at every step of a function, so found once per code object."""
+  return not {"train", "eval"}.isdisjoint(_names(code))
+
+
 def _python_values(fn, out, optimizers):
   """Plain Python values `fn` reads by name: its closure cells and the globals
   its code names (a flag, a counter, a size); the train/eval flags of the
@@ -99,8 +106,7 @@ def _python_values(fn, out, optimizers):
     return
   # A fn that calls .train()/.eval() traces with the modes it sets, not with the
   # ones the previous step left: `explain` leaves those out (replay keys by them).
-  sets_modes = not {"train", "eval"}.isdisjoint(_names(code))
-  if sets_modes:
+  if _sets_modes(code):
     out[_SETS_MODES] = ("value", True)
   reached = []  # (label, value) of the objects fn reaches by name
   for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
@@ -251,7 +257,11 @@ def _take(fn, args, kwargs, store, state, synced=True):
           out[f"{label}.{name}"] = ("value", None)
           continue
         grad = t.grad
-        out[f"{label}.{name}"] = _tensor_entry(t) + (
+        out[f"{label}.{name}"] = (  # _tensor_entry(t) and two more fields, in one tuple
+          "tensor",
+          tuple(t.shape),
+          t.dtype,
+          _sharding(t),
           t.requires_grad,
           None if grad is None else (tuple(grad.shape), grad.dtype),
         )
@@ -268,7 +278,7 @@ def _take(fn, args, kwargs, store, state, synced=True):
             copies.changed(t),
           )
     for name, value in module.__dict__.items():
-      if not name.startswith("_") and name != "training" and isinstance(value, _PLAIN):
+      if name[:1] != "_" and name != "training" and isinstance(value, _PLAIN):
         out[f"{label}.{name}"] = ("value", value)
   for opt in store.optimizers():
     optimizers.setdefault(id(opt), opt)

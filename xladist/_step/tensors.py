@@ -47,6 +47,37 @@ _HOST_READS = {
 }
 
 
+# What a torch function is, for StepTensors (looked up once per function).
+_HOST_READ, _TO, _ATTRIBUTE, _DRAW, _OTHER = (
+  "host read",
+  "Tensor.to",
+  "attribute access",
+  "random draw",
+  "other",
+)
+_KINDS = {}  # function -> its kind
+_MAX_KINDS = 4096
+
+
+def _kind(func):
+  if func in _HOST_READS:
+    kind = _HOST_READ
+  elif func is torch.Tensor.to:
+    kind = _TO
+  elif getattr(func, "__name__", None) in ("__get__", "__set__"):
+    kind = _ATTRIBUTE  # reading or setting an attribute (t.grad, t.data)
+  elif func in _step_random.DRAWS:
+    kind = _DRAW
+  else:
+    kind = _OTHER
+  try:
+    if len(_KINDS) < _MAX_KINDS:
+      _KINDS[func] = kind
+  except TypeError:
+    pass
+  return kind
+
+
 class ReplicaLocalTensor(torch.Tensor):
   """What a replica-local tensor that outlived its step becomes: any use raises."""
 
@@ -84,40 +115,47 @@ class StepTensors(TorchFunctionMode):
     self._region = region
 
   def __torch_function__(self, func, types, args=(), kwargs=None):
-    kwargs = kwargs or {}
-    if func in _HOST_READS or (func is torch.Tensor.to and _to_host(args, kwargs)):
-      if any(isinstance(a, torch.Tensor) and a.device.type == "xla" for a in args):
+    # Every torch call of the step comes through here (about 450 in a small
+    # MLP step): what a function is (host read, random draw, attribute access)
+    # is looked up once per function (`_kind`), and the per-tensor checks are
+    # inlined.
+    try:
+      kind = _KINDS[func]
+    except (KeyError, TypeError):  # first seen, or a function that cannot be a key
+      kind = _kind(func)
+    if kind is _HOST_READ or (kind is _TO and _to_host(args, kwargs or {})):
+      if any(isinstance(a, torch.Tensor) and a.is_xla for a in args):
         raise _runtime.HostReadInStep(_runtime.user_frame())
-    self._check_parameters(func, args)
-    region = self._region
-    if func in _step_random.DRAWS and context.get_replica_context() is not None:
-      result = _step_random.draw(func, args, kwargs, region)
+    made = self._made
+    if kind is not _ATTRIBUTE:  # reading or setting t.grad, t.data computes nothing
+      for a in args:
+        if isinstance(a, torch.Tensor):
+          if a.requires_grad and a.is_leaf and id(a) not in made:
+            self._check_parameter(a, func)
+        elif isinstance(a, (list, tuple)):
+          for x in a:
+            if isinstance(x, torch.Tensor) and x.requires_grad and x.is_leaf and id(x) not in made:
+              self._check_parameter(x, func)
+    if kwargs is None:
+      kwargs = {}
+    if kind is _DRAW and context.get_replica_context() is not None:
+      result = _step_random.draw(func, args, kwargs, self._region)
       if result is None:
         result = func(*args, **kwargs)
     else:
       result = func(*args, **kwargs)
     if isinstance(result, torch.Tensor):
-      self._note(result, args, kwargs)
+      if id(result) not in made and result.is_xla:
+        self._note(result, args, kwargs)
     elif isinstance(result, (tuple, list)):
       for r in result:
-        if isinstance(r, torch.Tensor):
+        if isinstance(r, torch.Tensor) and id(r) not in made and r.is_xla:
           self._note(r, args, kwargs)
     return result
 
-  def _check_parameters(self, func, args):
-    if getattr(func, "__name__", None) in ("__get__", "__set__"):
-      return  # reading or setting an attribute (t.grad, t.data) computes nothing
-    for a in args:
-      if isinstance(a, torch.Tensor):
-        self._check_parameter(a, func)
-      elif isinstance(a, (list, tuple)):
-        for x in a:
-          if isinstance(x, torch.Tensor):
-            self._check_parameter(x, func)
-
   def _check_parameter(self, t, func):
-    if not (t.requires_grad and t.is_leaf) or id(t) in self._made:
-      return
+    """`t` requires gradients, is a leaf and was not made in the step: it must
+    be a variable of the strategy."""
     step = self._region.step
     if step is None or step.is_variable(t):
       return
@@ -140,35 +178,43 @@ class StepTensors(TorchFunctionMode):
     )
 
   def _note(self, t, args, kwargs):
-    if t.device.type != "xla" or id(t) in self._made:
-      return
+    """Records `t`, an XLA tensor not recorded yet, unless it is an argument."""
     # In-place ops and `out=` return one of their arguments: not a new tensor.
-    if any(a is t for a in args) or any(v is t for v in kwargs.values()):
-      return
+    for a in args:
+      if a is t:
+        return
+    if kwargs:
+      for v in kwargs.values():
+        if v is t:
+          return
     self._made[id(t)] = t
 
   def track(self, t):
     """Records a tensor made by xladist itself (an argument's local view)."""
-    if isinstance(t, torch.Tensor) and t.device.type == "xla":
+    if isinstance(t, torch.Tensor) and t.is_xla:
       self._made.setdefault(id(t), t)
 
-  def release(self, keep, origin):
+  def release(self, keep, fn):
     """Invalidates the recorded tensors still referenced elsewhere.
 
     Args:
       keep: ids of tensors that stay valid (the strategy's variables).
-      origin: "fn at file:line" for the error message.
+      fn: the step function, named in the error message of an invalidated
+        tensor ("fn at file:line", formatted only when one is).
     """
     made = self._made
     self._made = {}
-    for key in reversed(list(made)):
-      if key in keep:
-        continue
-      t = made.pop(key)
-      # References: this local, and getrefcount's argument.
-      if sys.getrefcount(t) > 2:
+    refs = sys.getrefcount
+    origin = None
+    # Newest first; each tensor leaves `made` before it is looked at.
+    while made:
+      key, t = made.popitem()
+      # References: `t`, and getrefcount's argument.
+      if key not in keep and refs(t) > 2:
+        if origin is None:
+          origin = describe_fn(fn)
         _invalidate(t, origin)
-      del t
+    t = None
 
 
 def _invalidate(t, origin):

@@ -11,8 +11,14 @@ Failures:
 
 * a worker that fails (its process died, the connection broke, or a closure
   ran past `closure_timeout_seconds`) has its in-flight closure put back at
-  the front of the queue for the other workers; its thread then checks every
+  the front of the queue for the other workers (so a closure that was running
+  on it may run twice: at-least-once, as TF); its thread then checks every
   second whether the worker answers again, and uses it again if so;
+* a worker process started again after it died (same command, same task)
+  rejoins the cluster as a new incarnation (`xladist/_ps/rpc.py`): its thread
+  switches to it, makes every per-worker value (datasets, iterators, values of
+  `per_worker_values`) there again, in creation order, then runs closures on
+  it, as TF rebuilds a restarted worker's resources; iterators start over;
 * a ps task that fails makes the closures that needed it fail with a
   `TaskUnavailableError` naming the task: like an error raised by the
   function itself, it is raised by the next `schedule`, `join` or `done`
@@ -96,6 +102,12 @@ class _ClosureQueue:
       self._inflight -= 1
       self._changed.notify_all()
 
+  def set_error(self, error):
+    with self._lock:
+      if self._error is None:
+        self._error = error
+      self._changed.notify_all()
+
   def mark_failed(self, error):
     with self._lock:
       self._inflight -= 1
@@ -155,6 +167,9 @@ class _WorkerThread:
     self.alive = True
     self.failures = 0
     self.completed = 0
+    self.restarts = 0
+    self.held = set()  # ids of the per-worker values this worker holds
+    self.restarted_as = None  # the RPC name of a new incarnation, until adopted
     self._coordinator = coordinator
     self._stop = False
     self._thread = threading.Thread(
@@ -171,6 +186,8 @@ class _WorkerThread:
   def _loop(self):
     c = self._coordinator
     while not self._stop:
+      if self.restarted_as is not None:
+        self._adopt()
       if not self.alive:
         self._probe()
         continue
@@ -200,15 +217,24 @@ class _WorkerThread:
         closure.remote_value._set_error(error)
         c._queue.mark_failed(error)
 
+  def _adopt(self):
+    """Switches to the worker's new incarnation, which holds no per-worker value yet."""
+    with self._coordinator._resource_lock:
+      rpc_name, self.restarted_as = self.restarted_as, None
+      _rpc.set_route(self.task, rpc_name)
+      self.held = set()
+      self.alive = False
+      self.restarts += 1
+
   def _probe(self):
     time.sleep(_PROBE_SECONDS)
-    if self._stop:
+    if self._stop or self.restarted_as is not None:
       return
     try:
       result = _rpc.call(self.task, server._alive, timeout=2.0, what="a liveness check")
     except _rpc.TaskUnavailableError:
       return
-    if result[0] == "ok":
+    if result[0] == "ok" and self._coordinator._catch_up(self):
       self.alive = True
 
 
@@ -259,10 +285,16 @@ class ClusterCoordinator:
     self._queue = _ClosureQueue()
     self._next_resource = 0
     self._released = []
-    self._resources = {}  # id -> the PerWorkerValues' per-worker RemoteValues
+    # id -> (the per-worker RemoteValues, the pickled call that makes the value,
+    # what it is, the call's function and arguments)
+    self._resources = {}
+    # Held while per-worker values are made, so that a restarted worker's are
+    # rebuilt once each and in creation order.
+    self._resource_lock = threading.RLock()
     self._workers = [_WorkerThread(self, i, t) for i, t in enumerate(ext._layout.workers)]
     self._closed = False
     ext._coordinator = self
+    _rpc.on_admit(self._on_restart)
     atexit.register(self.shutdown)
 
   @property
@@ -428,6 +460,10 @@ class ClusterCoordinator:
   def _create_per_worker(
     self, fn, args, kwargs, what, kind=PerWorkerValues, api="ClusterCoordinator", arg_names=None
   ):
+    with self._resource_lock:
+      return self._create_per_worker_locked(fn, args, kwargs, what, kind, api, arg_names)
+
+  def _create_per_worker_locked(self, fn, args, kwargs, what, kind, api, arg_names):
     ext = self._strategy.extended
     ext.push_chief_writes()
     resource_id = self._next_resource
@@ -465,8 +501,45 @@ class ClusterCoordinator:
       if result[0] != "ok":
         raise _rpc.rebuild_error(result)
       rv._set_value(None)
-    self._resources[resource_id] = values
+      w.held.add(resource_id)
+    # The record keeps what the call refers to (an iterator's dataset) from
+    # being released while it exists: a restarted worker makes both again.
+    self._resources[resource_id] = (values, payload, what, (fn, args, kwargs))
     return kind(values, resource_id, self)
+
+  def _catch_up(self, w):
+    """Makes on worker `w` the per-worker values it lacks (all of them on a
+    restarted worker), in creation order; whether it now holds every one."""
+    with self._resource_lock:
+      for resource_id in sorted(list(self._resources)):
+        if resource_id in w.held:
+          continue
+        entry = self._resources.get(resource_id)
+        if entry is None:
+          continue  # released meanwhile
+        _, payload, what, _ = entry
+        try:
+          result = _rpc.call(
+            w.task,
+            _worker.create_resource,
+            (resource_id, payload, self._timeout),
+            timeout=self._closure_timeout,
+            what=f"making {what} again",
+          )
+        except _rpc.TaskUnavailableError:
+          return False
+        if result[0] != "ok":
+          # Raised by the next schedule / join; closures using it on this
+          # worker fail naming the missing value.
+          self._queue.set_error(_rpc.rebuild_error(result))
+        w.held.add(resource_id)
+      return True
+
+  def _on_restart(self, task, rpc_name):
+    """A worker process was started again (`_rpc.on_admit`): its thread adopts it."""
+    for w in self._workers:
+      if w.task == task:
+        w.restarted_as = rpc_name
 
   def _release_resource(self, resource_id):
     self._released.append(resource_id)  # deleted on the workers at the next schedule
@@ -476,6 +549,7 @@ class ClusterCoordinator:
       resource_id = self._released.pop()
       self._resources.pop(resource_id, None)
       for w in self._workers:
+        w.held.discard(resource_id)
         if w.alive:
           try:
             _rpc.call_async(w.task, _worker.delete_resource, (resource_id,), self._timeout)
@@ -508,13 +582,15 @@ class ClusterCoordinator:
   # -- statistics and shutdown --------------------------------------------------------------
   @property
   def experimental_worker_stats(self):
-    """Per worker: {"task", "available", "completed", "failures"} (xladist's addition)."""
+    """Per worker: {"task", "available", "completed", "failures", "restarts"}
+    (xladist's addition; "restarts": how many new processes of the task rejoined)."""
     return [
       {
         "task": _rpc.task_device(w.task),
         "available": w.alive,
         "completed": w.completed,
         "failures": w.failures,
+        "restarts": w.restarts,
       }
       for w in self._workers
     ]
@@ -526,6 +602,7 @@ class ClusterCoordinator:
     if self._closed:
       return
     self._closed = True
+    _rpc.on_admit(None)
     self._queue.stop()
     for w in self._workers:
       w.stop()

@@ -386,7 +386,10 @@ def _manual_sharding():
   return torch_xla._XLAC.OpSharding([], [], [], xs.ShardingType.MANUAL)
 
 
+@functools.cache
 def _xlac():
+  # Cached: called for every tensor a step enters or leaves (import statements
+  # cost a sys.modules lookup each time).
   import torch_xla
 
   return torch_xla._XLAC
