@@ -591,6 +591,46 @@ def test_checkpoint_errors(strategy, tmp_path, fmt):
     xc.PreemptionCheckpointHandler(xc.Checkpoint())
 
 
+def test_save_and_restore_work_in_the_default_strategy_scope_and_cross_replica_context(
+  tmp_path, strategy
+):
+  # TF: tf.train.Checkpoint saves and restores in the default replica context
+  # and in cross-replica context (mirrored_variable_test.py saves and restores
+  # mirrored variables outside any step); only a step refuses it here.
+  model, opt = _small()
+  want = {k: v.detach().clone() for k, v in model.state_dict().items()}
+  ckpt = xc.Checkpoint(model=model)
+  manager = xc.CheckpointManager(ckpt, tmp_path / "m")
+  with xd.get_strategy().scope():
+    path = ckpt.save(str(tmp_path / "default"))
+    ckpt.write(str(tmp_path / "default_write.pt"))
+    manager.save()
+    with torch.no_grad():
+      model.weight.zero_()
+    ckpt.restore(path)
+  assert torch.equal(model.weight.detach().cpu(), want["weight"])
+
+  with strategy.scope():
+    v = xd.Variable(torch.ones(2))
+  cv = xc.Checkpoint(v=v)
+  with strategy.scope():
+    assert xd.in_cross_replica_context()
+    path = cv.save(str(tmp_path / "cross"))
+    v.assign(torch.zeros(2))
+    cv.restore(path)
+    manager.save()
+  assert torch.equal(v.read_value().cpu(), torch.ones(2))
+
+  def step():
+    def merge_fn(s):
+      cv.save(str(tmp_path / "merge"))
+
+    xd.get_replica_context().merge_call(merge_fn)
+
+  with pytest.raises(RuntimeError, match=r"checkpoint.save was called inside strategy.run"):
+    strategy.run(step)
+
+
 def test_preemption_handler_saves_after_the_step_and_restores_the_signal_handler(tmp_path, fmt):
   model, opt = _small()
   ckpt = xc.Checkpoint(model=model, optimizer=opt)

@@ -414,3 +414,49 @@ def test_reducing_a_variable_onto_itself_gives_a_mirrored(strategy, batch):
     w = torch.nn.Linear(2, 1).weight
   result = xd.ReductionToOneDevice().reduce(xd.ReduceOp.MEAN, w, w)
   assert isinstance(result, torch.Tensor) and torch.equal(result.detach().cpu(), w.detach().cpu())
+
+
+def test_reduce_of_a_variable_in_merge_fn(strategy):
+  # TF: in merge_fn a MirroredVariable or SyncOnReadVariable is still a
+  # DistributedValues, so strategy.reduce reduces the replicas' values
+  # (strategy_common_test.py's ReduceTest reduces in cross-replica context;
+  # mirrored_strategy.py's _reduce_to returns a mirrored value unchanged for
+  # MEAN). SUM of a mirrored variable gives N times it (TF asserts; see
+  # docs/architecture.md, "Differences from TF 2").
+  n = strategy.num_replicas_in_sync
+  with strategy.scope():
+    v = xd.Variable(torch.tensor([1.0, 2.0]))
+    layer = torch.nn.Linear(2, 1, bias=False)
+    torch.nn.init.constant_(layer.weight, 3.0)
+    sor = xd.Variable(
+      torch.tensor(0.0),
+      synchronization=xd.VariableSynchronization.ON_READ,
+      aggregation=xd.VariableAggregation.SUM,
+    )
+
+  def step():
+    ctx = xd.get_replica_context()
+    sor.assign(ctx.replica_id_in_sync_group.float() + 1.0)
+
+    def merge_fn(s):
+      return (
+        s.reduce("sum", v, axis=None),
+        s.reduce("mean", v, axis=None),
+        s.reduce("sum", layer.weight, axis=None),
+        s.reduce("sum", sor, axis=None),
+        s.reduce("mean", sor, axis=None),
+      )
+
+    return ctx.merge_call(merge_fn)
+
+  v_sum, v_mean, w_sum, sor_sum, sor_mean = strategy.run(step)
+  total = float(sum(range(1, n + 1)))
+  for r in range(n):
+    assert torch.equal(local_values(strategy, v_sum)[r], torch.tensor([1.0, 2.0]) * n)
+    assert torch.equal(local_values(strategy, v_mean)[r], torch.tensor([1.0, 2.0]))
+    assert torch.equal(local_values(strategy, w_sum)[r], torch.full((1, 2), 3.0 * n))
+    assert local_values(strategy, sor_sum)[r].item() == total
+    assert local_values(strategy, sor_mean)[r].item() == total / n
+  # The same as in cross-replica context.
+  assert torch.equal(strategy.reduce("sum", v, axis=None).cpu(), torch.tensor([1.0, 2.0]) * n)
+  assert strategy.reduce("sum", sor, axis=None).item() == total

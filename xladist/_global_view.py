@@ -136,9 +136,10 @@ def as_value(value, in_region=False):
   or SyncOnReadVariable is a DistributedValues): the components of a
   sync-on-read variable, or a Mirrored of a mirrored one (an xladist.Variable,
   or a module's parameter or buffer made under the scope). Other values, and
-  anything inside a step (where a variable is its replica's view), unchanged."""
+  anything else inside a step, unchanged; there (in merge_fn) a variable is
+  the PerReplica of its replicas' views."""
   if in_region:
-    return value
+    return _variable_in_region(value)
   tensor = value.value_ if _is_variable_module(value) else value
   if not isinstance(tensor, torch.Tensor):
     return value
@@ -156,6 +157,23 @@ def as_value(value, in_region=False):
   if n is not None:
     return Mirrored._from_primary(tensor, n)
   return value
+
+
+def _variable_in_region(value):
+  """A variable in merge_fn inside a step: the PerReplica of each replica's view
+  of it (TF: a MirroredVariable or SyncOnReadVariable in merge_fn is still a
+  DistributedValues; reducing it reduces the replicas' values)."""
+  is_module = _is_variable_module(value)
+  tensor = value.value_ if is_module else value
+  if not isinstance(tensor, torch.Tensor):
+    return value
+  strategy = value.distribute_strategy if is_module else context.get_strategy()
+  region = getattr(strategy.extended, "_region", None)
+  if region is None or region.step is None:
+    return value
+  if not (is_module or region.step.is_variable(tensor)):
+    return value
+  return PerReplica._from_local(tensor, region)
 
 
 def _is_variable_module(value):

@@ -99,6 +99,19 @@ def in_step(strategy):
   )
 
 
+def in_any_step():
+  """True inside any strategy's `run`, also in a merge_fn or a scope entered there.
+
+  The same rule as `in_step`: the default replica context (also inside the
+  default strategy's scope()) is not a step.
+  """
+  default = _default_mode().replica_context
+  return any(
+    mode.replica_context is not None and mode.replica_context is not default
+    for mode in _stack.modes
+  )
+
+
 def get_strategy():
   """The current strategy: the one whose scope (or run) encloses the caller.
 

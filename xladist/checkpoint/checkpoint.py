@@ -379,8 +379,10 @@ def should_write():
 
 
 def _require_outside_step(what):
-  modes = context._stack.modes
-  if modes and modes[-1].replica_context is not None:
+  # TF: save and restore work in cross-replica context and in the default
+  # replica context, also inside the default strategy's scope(); only a step
+  # (strategy.run, and merge_fn inside it) is refused, by context.in_step's rule.
+  if context.in_any_step():
     raise RuntimeError(
       f"{api_name(what)} was called inside strategy.run; the step is being traced "
       "and its values cannot be read or replaced. Call it between steps, after "
