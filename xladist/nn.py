@@ -102,8 +102,12 @@ class _ScaleGradient(torch.autograd.Function):
     return grad * ctx.factor, None
 
 
-def _replicas_and_factor(api):
+def _replicas_and_factor(api, in_replica_context=True):
   """(num_replicas_in_sync, gradient factor) of the current context.
+
+  `in_replica_context`: the call needs one (a RuntimeError in a strategy's
+  cross-replica context, as in TF); else cross-replica context counts as one
+  replica with no aggregation.
 
   TF divides a replica's loss by the GLOBAL batch (or the replica count)
   because apply_gradients SUMS the replicas' gradients. xladist aggregates
@@ -115,7 +119,7 @@ def _replicas_and_factor(api):
   """
   ctx = context.get_replica_context()
   if ctx is None:
-    if context.has_strategy():
+    if in_replica_context and context.has_strategy():
       raise RuntimeError(
         f"You are calling `{api}` in cross replica context (inside "
         "strategy.scope() but outside strategy.run), while it was expected to be "
@@ -211,7 +215,7 @@ def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size
         f"xladist.nn.compute_average_loss: global_batch_size must be positive, got "
         f"{global_batch_size}."
       )
-    n, factor = _replicas_and_factor(api) if context.get_replica_context() else (1, 1)
+    n, factor = _replicas_and_factor(api, in_replica_context=False)
   average = loss.sum() / global_batch_size
   return _ScaleGradient.apply(average, factor) if factor != 1 else average
 

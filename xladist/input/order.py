@@ -66,19 +66,28 @@ def set_host_rng_state(state):
   np.random.set_state(_to_numpy_state(state["numpy"]))
 
 
-def _generator_state(obj):
-  """(kind, state) of a random generator object, or None for anything else."""
+def _generator_kind(obj):
+  """What kind of random generator `obj` is ("torch", "random", ...), or None."""
   if isinstance(obj, torch.Generator):
-    if obj.device.type != "cpu":
-      return None
-    return "torch", obj.get_state()
+    return "torch" if obj.device.type == "cpu" else None
   if isinstance(obj, random.Random):
-    return "random", obj.getstate()
+    return "random"
   if isinstance(obj, np.random.Generator):
-    return "numpy_generator", obj.bit_generator.state
+    return "numpy_generator"
   if isinstance(obj, np.random.RandomState):
-    return "numpy_randomstate", _from_numpy_state(obj.get_state())
+    return "numpy_randomstate"
   return None
+
+
+def _generator_state(obj, kind):
+  """The state of a generator of `kind` (see `_generator_kind`), checkpointable."""
+  if kind == "torch":
+    return obj.get_state()
+  if kind == "random":
+    return obj.getstate()
+  if kind == "numpy_generator":
+    return obj.bit_generator.state
+  return _from_numpy_state(obj.get_state())
 
 
 def _set_generator_state(obj, kind, state):
@@ -111,7 +120,7 @@ def _walk(obj, path, depth, seen):
   for name, value in attrs.items():
     if value is None or isinstance(value, torch.Tensor | np.ndarray):
       continue
-    if name in _LINKS or _generator_state(value) is not None:
+    if name in _LINKS or _generator_kind(value) is not None:
       yield from _walk(value, f"{path}.{name}", depth + 1, seen)
 
 
@@ -132,9 +141,9 @@ def capture(datasets):
   state)}, "epochs": {path: epoch}}."""
   generators, epochs = {}, {}
   for path, obj in _sources(datasets).items():
-    state = _generator_state(obj)
-    if state is not None:
-      generators[path] = state
+    kind = _generator_kind(obj)
+    if kind is not None:
+      generators[path] = kind, _generator_state(obj, kind)
     elif callable(getattr(obj, "set_epoch", None)) and isinstance(getattr(obj, "epoch", None), int):
       epochs[path] = obj.epoch
   return {"host": host_rng_state(), "generators": generators, "epochs": epochs}
@@ -154,8 +163,7 @@ def check(datasets, state, api):
         "arguments, sampler and generator) that the checkpoint was saved with."
       )
   for path, (kind, _) in state["generators"].items():
-    now = _generator_state(found[path])
-    if now is None or now[0] != kind:
+    if _generator_kind(found[path]) != kind:
       raise ValueError(
         f"{api}: {path} was a {kind} generator when the checkpoint was saved but is "
         f"a {type(found[path]).__name__} now; restore into the same dataset pipeline."
