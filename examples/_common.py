@@ -58,7 +58,11 @@ def _cache_description():
 
 
 def _compile_seconds():
-  """Seconds spent compiling XLA programs so far (torch_xla's metrics)."""
+  """Seconds spent compiling XLA programs so far (torch_xla's metrics; None on jax)."""
+  from xladist import runtime as _runtime
+
+  if _runtime.BACKEND != "torch_xla":
+    return None
   import torch_xla.debug.metrics as met
 
   data = met.metric_data("CompileTime")
@@ -67,6 +71,10 @@ def _compile_seconds():
 
 def _unreadable_cache_entries():
   """Programs found in the persistent cache that the runtime could not load."""
+  from xladist import runtime as _runtime
+
+  if _runtime.BACKEND != "torch_xla":
+    return 0
   import torch_xla.debug.metrics as met
 
   return met.counter_value("PersistentCacheDeserializeFailure") or 0
@@ -118,7 +126,9 @@ class StartupClock:
       f"data, model and first step {m['first_step'] - m['runtime']:.1f} s"
     )
     cache = _cache_description()
-    compiled = f"{self.compiled} programs compiled in {self.compile_seconds:.1f} s"
+    compiled = f"{self.compiled} programs compiled"
+    if self.compile_seconds is not None:
+      compiled += f" in {self.compile_seconds:.1f} s"
     if cache is None:
       state = f"compile cache off: {compiled}"
     else:

@@ -132,11 +132,10 @@ def load_data():
 
 
 def compile_count():
-  """XLA compilations so far (torch_xla's metrics)."""
-  import torch_xla.debug.metrics as met
+  """XLA compilations so far (the runtime's count)."""
+  from xladist import runtime
 
-  data = met.metric_data("CompileTime")
-  return 0 if data is None else data[0]
+  return runtime.compile_count()
 
 
 def main():
@@ -155,10 +154,9 @@ def main():
       return x
     return strategy.experimental_split_to_logical_devices(x, [k] + [1] * (x.dim() - 1))
 
-  # Imported after the strategy exists: xladist chooses PJRT_DEVICE first.
-  import torch_xla
-  import torch_xla.core.xla_model as xm
-  import torch_xla.runtime as xr
+  # The runtime the strategy started (torch_xla, or jax with XLADIST_BACKEND=jax):
+  # its step boundary (sync) and device wait.
+  from xladist import runtime
 
   n = strategy.num_replicas_in_sync
   b = args.per_replica_batch
@@ -187,8 +185,8 @@ def main():
     xd.InputOptions(experimental_partial_batch="mask"),
   )
   print(
-    f"replicas: {n} ({xr.device_type()}, {k} device(s) each), batch: {b} per "
-    f"replica, {global_batch} global"
+    f"replicas: {n} ({runtime.BACKEND} on {runtime.device_type()}, {k} device(s) each), "
+    f"batch: {b} per replica, {global_batch} global"
   )
   print(
     f"data: {len(train_data)} train / {len(test_data)} held-out examples; "
@@ -216,7 +214,7 @@ def main():
   def zeros():
     # An accumulator already on the device, so that every step's graph (step +
     # reduce + accumulate) is the same and compiles once.
-    return strategy.extended.broadcast_to(torch.zeros(()), "xla:0")
+    return strategy.extended.broadcast_to(torch.zeros(()), runtime.device())
 
   # -- training ---------------------------------------------------------------------
   bar = progress(steps_per_epoch * args.epochs, "train")
@@ -225,9 +223,9 @@ def main():
     for x, y in train_dist:  # a new epoch: the DataLoader reshuffles
       per_replica_loss = strategy.run(train_step, args=(x, y))
       epoch_loss = epoch_loss + strategy.reduce("mean", per_replica_loss, axis=None)
-      torch_xla.sync()
+      runtime.sync()
       if "first_step" not in clock.marks:
-        xm.wait_device_ops()  # the first step has finished on the device
+        runtime.wait()  # the first step has finished on the device
         clock.first_step_done()
         if args.first_step_only:
           bar.close()
@@ -243,7 +241,7 @@ def main():
     correct, count = strategy.run(eval_step, args=(inputs, mask))
     correct_total = correct_total + strategy.reduce("sum", correct, axis=None)
     count_total = count_total + strategy.reduce("sum", count, axis=None)
-    torch_xla.sync()
+    runtime.sync()
   correct_total, count_total = int(correct_total.item()), int(count_total.item())
   if count_total != len(test_data):
     sys.exit(f"error: evaluated {count_total} examples, expected {len(test_data)}")

@@ -19,6 +19,16 @@ sys.meta_path.insert(0, _NoTorchXla())
 """
 
 
+_NO_JAX = """
+class _NoJax:
+  def find_spec(self, name, path=None, target=None):
+    if name in ("jax", "torchax") or name.startswith(("jax.", "torchax.")):
+      raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)")
+    return None
+sys.meta_path.insert(0, _NoJax())
+"""
+
+
 def _run(code, **env):
   out = subprocess.run(
     [sys.executable, "-c", _BLOCK + code],
@@ -30,22 +40,42 @@ def _run(code, **env):
   return out.returncode, out.stdout + out.stderr
 
 
+_NAMES_MISSING = (
+  "import xladist as xd, xladist.checkpoint, xladist.coordinator, "
+  "xladist.cluster_resolver, xladist.experimental\n"
+  "assert 'torch_xla' not in sys.modules\n"
+  "print('imported', xd.runtime.BACKEND)\n"
+  "try:\n"
+  "  xd.MirroredStrategy()\n"
+  "except RuntimeError as e:\n"
+  "  print('error:', e)\n"
+)
+
+
 def test_import_xladist_works_without_torch_xla_and_a_strategy_names_it():
-  rc, out = _run(
-    "import xladist as xd, xladist.checkpoint, xladist.coordinator, "
-    "xladist.cluster_resolver, xladist.experimental\n"
-    "assert 'torch_xla' not in sys.modules\n"
-    "print('imported')\n"
-    "try:\n"
-    "  xd.MirroredStrategy()\n"
-    "except RuntimeError as e:\n"
-    "  print('error:', e)\n"
-  )
+  rc, out = _run(_NAMES_MISSING, XLADIST_BACKEND="torch_xla")
   assert rc == 0, out
-  assert "imported" in out
+  assert "imported torch_xla" in out
   assert "error: xladist: the torch_xla runtime" in out
   assert "needs torch_xla, which cannot be imported here" in out
   assert "torch==2.9.0 torch_xla==2.9.0" in out
+
+
+def test_without_torch_xla_the_default_is_jax_and_a_missing_jax_is_named():
+  """This environment has no jax: with torch_xla blocked, neither runtime is there."""
+  env = {k: v for k, v in os.environ.items() if k != "XLADIST_BACKEND"}
+  out = subprocess.run(
+    [sys.executable, "-c", _BLOCK + "import builtins\n" + _NO_JAX + _NAMES_MISSING],
+    capture_output=True,
+    text=True,
+    timeout=120,
+    env=env,
+  )
+  text = out.stdout + out.stderr
+  assert out.returncode == 0, text
+  assert "imported jax" in text
+  assert "the jax runtime (chosen because torch_xla is not installed either)" in text
+  assert "'xladist[xla]'" in text and "'xladist[jax]'" in text
 
 
 def test_an_unknown_backend_is_refused_when_a_strategy_starts():

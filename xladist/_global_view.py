@@ -205,7 +205,7 @@ def _on_xla(destinations):
     destinations = destinations.value_
   if isinstance(destinations, torch.Tensor):
     destinations = destinations.device
-  return str(destinations).startswith("xla")
+  return str(destinations).startswith(_runtime.DEVICE_KIND)
 
 
 def to_destinations(value, destinations, num_replicas, in_region):
@@ -217,7 +217,7 @@ def to_destinations(value, destinations, num_replicas, in_region):
   if many:
     if (
       isinstance(value, torch.Tensor)
-      and value.device.type != "xla"
+      and not _runtime.is_device_tensor(value)
       and not in_region
       and _on_xla(destinations)
     ):
@@ -259,7 +259,7 @@ def check_device_name(device, api):
     d = None
   if d is not None and d.type == "cpu":
     return
-  if d is not None and d.type == "xla":
+  if d is not None and d.type == _runtime.DEVICE_KIND:
     if d.index is None or d.index < _runtime.num_devices():
       return
   raise ValueError(

@@ -30,6 +30,7 @@ Where the values are:
 import torch
 
 from xladist import collectives, context
+from xladist import runtime as _runtime
 from xladist._global_view import (
   _is_variable_module,
   as_value,
@@ -191,7 +192,7 @@ class CrossDeviceOps:
       if isinstance(v, PerReplica)
       and v._local is None
       and v._stacked is not None
-      and v._stacked.device.type == "xla"
+      and _runtime.is_device_tensor(v._stacked)
     ]
     stacks = [values[i]._stacked for i in packable]
     metas = [torch.empty(t.shape[1:], dtype=t.dtype, device="meta") for t in stacks]

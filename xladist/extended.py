@@ -250,7 +250,7 @@ class StrategyExtended(abc.ABC):
     tensors = [
       r
       for r, d in pairs
-      if isinstance(r, torch.Tensor) and r.device.type == "xla" and is_host_destination(d)
+      if isinstance(r, torch.Tensor) and _runtime.is_device_tensor(r) and is_host_destination(d)
     ]
     if tensors:
       _runtime.sync(tensors)
@@ -295,14 +295,22 @@ class StrategyExtended(abc.ABC):
       "Call it from the training loop, outside strategy.run.",
     )
     outputs = []
-    for _ in range(steps):
-      try:
-        element = next(iterator)
-      except StopIteration:
-        break
-      args = tuple(element) if isinstance(element, (tuple, list)) else (element,)
-      outputs.append(self._strategy_ref.run(fn, args=args))
-    if self._current_device().type == "xla":
+
+    def run_steps():
+      for _ in range(steps):
+        try:
+          element = next(iterator)
+        except StopIteration:
+          break
+        args = tuple(element) if isinstance(element, (tuple, list)) else (element,)
+        outputs.append(self._strategy_ref.run(fn, args=args))
+
+    if steps > 1 and self._current_device().type == _runtime.DEVICE_KIND:
+      # One trace for the k steps (torch_xla: lazily, cut below; jax: one jaxpr).
+      _runtime.traced_step(run_steps)
+    else:
+      run_steps()
+    if self._current_device().type == _runtime.DEVICE_KIND:
       _runtime.sync()
     return outputs
 

@@ -3,6 +3,7 @@
 import torch
 
 from xladist import context
+from xladist import runtime as _runtime
 from xladist._global_view import concat_stacked as _concat_stacked
 from xladist._nest import (
   error_at,
@@ -126,7 +127,7 @@ class ReplicaContext:
   def _as_per_replica(x, region):
     if not isinstance(x, torch.Tensor) or region.step.is_variable(x):
       return x
-    if x.device.type != "xla":
+    if not _runtime.is_device_tensor(x):
       x = region.local_replicated(x)
     return PerReplica._from_local(x, region)
 
@@ -152,7 +153,8 @@ class ReplicaContext:
     tensors = [_as_tensor(x, "all_reduce", value, p) for p, x in zip(paths, leaves)]
     if self._region is None:
       return unflatten(spec, tensors)
-    tensors = [t if t.device.type == "xla" else self._region.local_replicated(t) for t in tensors]
+    is_dev = _runtime.is_device_tensor
+    tensors = [t if is_dev(t) else self._region.local_replicated(t) for t in tensors]
     return unflatten(spec, self._region.all_reduce(reduce_op, tensors, options))
 
   def all_gather(self, value, axis, options=None):
@@ -175,7 +177,7 @@ class ReplicaContext:
         if region is None or t.dim() == 0:
           # No other replica (or a scalar, which raises): the value stacked once.
           return _concat_stacked(t.unsqueeze(0), axis, "ReplicaContext.all_gather")
-        if t.device.type != "xla":
+        if not _runtime.is_device_tensor(t):
           t = region.local_replicated(t)
         return _concat_stacked(region.gather_stacked(t), axis, "ReplicaContext.all_gather")
       except (TypeError, ValueError) as e:

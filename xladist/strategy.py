@@ -7,6 +7,7 @@ the mixin in `strategy_legacy.py`.
 """
 
 from xladist import context
+from xladist import runtime as _runtime
 from xladist._global_view import as_value
 from xladist._nest import error_at, flatten, tree_map_with_path
 from xladist.extended import _require_cross_replica, _require_no_other_strategy
@@ -168,7 +169,7 @@ class Strategy(StrategyLegacy):
     args, kwargs = tuple(args), dict(kwargs or {})
     extended = self._extended
     # Not from merge_fn (run there re-enters the step being traced).
-    if not extended._in_region() and extended._current_device().type == "xla":
+    if not extended._in_region() and extended._current_device().type == _runtime.DEVICE_KIND:
       extended._compile_watch.before_step(fn, args, kwargs, extended._store)
     with self.scope():
       return extended._call_for_each_replica(fn, args, kwargs, options)

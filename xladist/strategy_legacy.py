@@ -180,7 +180,7 @@ class StrategyLegacy:
       t
       for v in leaves(value)
       for t in self.experimental_local_results(v)
-      if isinstance(t, torch.Tensor) and t.device.type == "xla"
+      if isinstance(t, torch.Tensor) and _runtime.is_device_tensor(t)
     ]
     if pending:
       _runtime.sync(pending)

@@ -126,7 +126,7 @@ class PerReplica(DistributedValues):
           "it from merge_fn (each replica then gets its own component) instead."
         )
       comps = check_components(self._values, "strategy.run")
-      if comps[0].device.type == "xla":
+      if _runtime.is_device_tensor(comps[0]):
         stacked = torch.stack(comps)
       else:
         stacked = torch.stack([c.detach().cpu() for c in comps])

@@ -371,7 +371,7 @@ def _same_on_every_replica(value, step, region):
   the step began (captured by closure). Tensors computed in the step are each
   replica's own, as in TF, where each replica makes its own.
   """
-  if not isinstance(value, torch.Tensor) or value.device.type != "xla":
+  if not isinstance(value, torch.Tensor) or not _runtime.is_device_tensor(value):
     return True
   if step.is_variable(value):
     return not policy_of(value).on_read

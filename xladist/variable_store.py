@@ -201,7 +201,7 @@ class VariableStore:
         ) from None
     if (
       self.num_replicas > 1
-      and t.device.type == "xla"
+      and _runtime.is_device_tensor(t)
       and policies.policy_of(t).on_read
       and getattr(t, _COPIES, None) is None
     ):
@@ -211,7 +211,7 @@ class VariableStore:
     self._mark_mirrored(t)
 
   def _mark_mirrored(self, t):
-    if self.num_replicas > 1 and t.device.type == "xla" and not policies.policy_of(t).on_read:
+    if self.num_replicas > 1 and _runtime.is_device_tensor(t) and not policies.policy_of(t).on_read:
       setattr(t, _MIRRORED, self.num_replicas)
 
   def tracks(self, tensor):
@@ -248,19 +248,20 @@ class VariableStore:
   # -- entering and leaving a step --------------------------------------------
   def variables(self):
     """Every tracked XLA tensor: module parameters and buffers."""
+    is_dev = _runtime.is_device_tensor
     for module in self.modules():
       for t in module._parameters.values():
-        if t is not None and t.is_xla:
+        if t is not None and is_dev(t):
           yield t
       for t in module._buffers.values():
-        if t is not None and t.is_xla:
+        if t is not None and is_dev(t):
           yield t
 
   @staticmethod
   def optimizer_state_slots(optimizer):
     for state in optimizer.state.values():
       for key, v in state.items():
-        if isinstance(v, torch.Tensor) and v.is_xla:
+        if isinstance(v, torch.Tensor) and _runtime.is_device_tensor(v):
           yield state, key, v
 
   def enter(self, step):
@@ -287,7 +288,7 @@ class VariableStore:
 
   def _create_in_step(self, module, t, step):
     region = step.region
-    if t.device.type == "xla":  # a value traced in the step: replica 0's
+    if _runtime.is_device_tensor(t):  # a value traced in the step: replica 0's
       local = collectives.all_reduce(
         ReduceOp.SUM,
         [torch.where(region.replica_id == 0, t.detach(), torch.zeros_like(t))],

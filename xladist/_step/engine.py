@@ -64,6 +64,8 @@ class StepEngine:
   def replay_gap(self):
     """Why this strategy's steps are not replayed, or None when they are."""
     ext = self._ext
+    if not _runtime.REPLAYS:
+      return f"the {_runtime.BACKEND} runtime compiles each traced step by its program text"
     if ext._cores_per_replica > 1:
       return "several logical devices per replica (TPUStrategy) are not replayed yet"
     if getattr(ext, "_host_replicas", None) is not None:
@@ -100,7 +102,7 @@ class StepEngine:
     self.region = region
     try:
       # Only frames below this one hold replica-local views (see _clear_step_frames).
-      out = self.trace(fn, args, kwargs, region, made)
+      out = _runtime.traced_step(lambda: self.trace(fn, args, kwargs, region, made))
     except _runtime.HostReadInStep as e:
       attempt.abandon()
       store.restore(step)

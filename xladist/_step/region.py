@@ -87,7 +87,7 @@ class Region:
   @staticmethod
   def local_replicated(t):
     """A mirrored global tensor -> the whole tensor on each replica."""
-    if not t.is_xla:
+    if not _runtime.is_device_tensor(t):
       t = _runtime.place_replicated(t)
     else:
       _runtime.ensure_sharded(t)
@@ -131,18 +131,20 @@ class Region:
   # -- leaving --------------------------------------------------------------------
   def exit_value(self, value):
     value = _logical.whole(value)
-    if isinstance(value, torch.Tensor) and not value.is_xla:
+    if isinstance(value, torch.Tensor) and not _runtime.is_device_tensor(value):
       # Made on the host inside fn: every replica made its own (TF: a PerReplica).
       if self.num_replicas == 1:
         return value
       return PerReplica(tuple(value.clone() for _ in range(self.num_replicas)))
     if isinstance(value, torch.Tensor):  # an XLA tensor (host tensors are handled above)
+      if self.num_replicas == 1:
+        # The one replica's value is the global value (on the jax runtime a
+        # squeeze after leaving would be a traced value no program returns).
+        return self.global_replicated(value.detach())
       local = value.detach().unsqueeze(0)
       full = torch.Size((self.num_replicas,) + tuple(value.shape))
       sharding = _runtime.replica_sharding(local.dim(), self.num_replicas)
       stacked = _runtime.to_global(local, sharding, full)
-      if self.num_replicas == 1:
-        return stacked.squeeze(0)
       return PerReplica._from_stacked(stacked, self.num_replicas)
     if isinstance(value, DistributedValues):
       raise TypeError(
@@ -167,7 +169,8 @@ class Region:
         value._local[1].require_active("merge_call")
         return value._local[0]
       comps = [c if isinstance(c, torch.Tensor) else torch.as_tensor(c) for c in value.values]
-      comps = [c if c.device.type == "xla" else c.to(_runtime.device()) for c in comps]
+      is_dev = _runtime.is_device_tensor
+      comps = [c if is_dev(c) else c.to(_runtime.device()) for c in comps]
       return collectives.select_own(torch.stack(comps), self.replica_id)
     if isinstance(value, Mirrored):
       return value.primary

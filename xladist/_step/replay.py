@@ -76,6 +76,7 @@ import os
 import types
 import warnings
 
+import numpy as np
 import torch
 
 from xladist import runtime as _runtime
@@ -114,13 +115,16 @@ PLACED = _Placed()
 
 def enabled(options):
   """Whether replay is on for a run: `RunOptions(experimental_replay=...)` when
-  given, else `XLADIST_REPLAY=1`. Off by default in this release (opt-in; see
-  docs/architecture.md, "Replay")."""
+  given, else `XLADIST_REPLAY` (1 / 0), else the runtime's default: on for jax
+  (whose traced step costs far more than its program's launch), off on torch_xla
+  in this release (opt-in; see docs/architecture.md, "Replay")."""
   choice = getattr(options, "experimental_replay", None) if options is not None else None
   if choice is not None:
     return bool(choice)
   text = os.environ.get("XLADIST_REPLAY", "").strip().lower()
-  return bool(text) and text not in _OFF
+  if not text:
+    return _runtime.REPLAY_KIND == "program"
+  return text not in _OFF
 
 
 def verify_every():
@@ -228,17 +232,17 @@ def _slots(store):
   for opt in store.optimizers():
     for group in opt.param_groups:
       for key, v in group.items():
-        if key != "params" and isinstance(v, torch.Tensor) and v.device.type == "xla":
+        if key != "params" and isinstance(v, torch.Tensor) and _runtime.is_device_tensor(v):
           out.append(_Slot(GROUP, None, group, key))
     for p, state in opt.state.items():
       for key, v in state.items():
-        if isinstance(v, torch.Tensor) and v.device.type == "xla":
+        if isinstance(v, torch.Tensor) and _runtime.is_device_tensor(v):
           out.append(_Slot(OPT, p, opt.state, key))
   return out
 
 
 def _is_xla_tensor(value):
-  return isinstance(value, torch.Tensor) and value.device.type == "xla"
+  return isinstance(value, torch.Tensor) and _runtime.is_device_tensor(value)
 
 
 def _free_slots(fn):
@@ -277,7 +281,7 @@ def _host_state(store):
     for p_index, state in enumerate(opt.state.values()):
       for key, v in state.items():
         if isinstance(v, torch.Tensor):
-          if v.device.type != "xla":
+          if not _runtime.is_device_tensor(v):
             out.append(((i, p_index, key), (id(v), v._version)))
         elif isinstance(v, _PLAIN):
           out.append(((i, p_index, key), v))
@@ -362,7 +366,7 @@ def _store_refs(store):
       (id(v), v._version)
       for g in opt.param_groups
       for k, v in g.items()
-      if k != "params" and isinstance(v, torch.Tensor) and v.device.type != "xla"
+      if k != "params" and isinstance(v, torch.Tensor) and not _runtime.is_device_tensor(v)
     )
     optimizers.append((id(opt), id(opt.state), tuple(map(id, opt.param_groups)), host))
   return variables, tuple(optimizers)
@@ -378,6 +382,7 @@ def _arg_refs(leaves):
 
 SLOT, ARG, CONST, SEED = range(4)
 RET = 4
+DROP = 5  # a result nothing keeps (a value of the step no slot or return holds)
 
 
 class _Program:
@@ -396,6 +401,7 @@ class _Program:
     "consts",
     "restamp",
     "n_outputs",
+    "runtime_program",
   )
 
   def fingerprint(self):
@@ -595,12 +601,19 @@ class Replayer:
     return _Attempt(self, None, None, None, None, None, seed, False)
 
   def _capture(self, fn, entry, leaves, spec, why, seed, verify=None, dry=False):
+    if _runtime.in_traced_step():
+      # One of the steps traced as one program (experimental_run_steps on jax):
+      # it has no program of its own to capture; a promoted key is replayed
+      # into the enclosing program.
+      return self._plain(f"{why}; inside steps traced as one program: not captured", seed)
     self._note(why)
     return _Attempt(self, fn, entry, leaves, spec, verify, seed, dry)
 
   # -- replaying ---------------------------------------------------------------------------------
   def _replay(self, entry, leaves, seed):
     prog = entry.program
+    if _runtime.REPLAY_KIND == "program":
+      return self._replay_program(prog, leaves, seed)
     x = _xla()
     n = self._n
     slots = prog.slots
@@ -640,6 +653,31 @@ class Replayer:
     seeds.STEP_SEEDS.after_replay(seed, prog.draws)
     return _write_back(prog, results, n)
 
+  def _replay_program(self, prog, leaves, seed):
+    """`_replay` on a runtime that runs a step's program itself (jax)."""
+    n = self._n
+    slots = prog.slots
+    inputs = []
+    for source in prog.sources:
+      kind = source[0]
+      if kind == SLOT:
+        value = slots[source[1]].get()
+        if value is None:
+          return _Traced("a state slot has no value, or a tensor fn reads by name was replaced")
+        inputs.append(value._elem)
+      elif kind == ARG:
+        try:
+          inputs.append(_arg_global(leaves[source[1]], n)._elem)
+        except _NotCapturable as e:
+          return _Traced(str(e))
+      else:
+        inputs.append(source[1])
+    program, consts = prog.runtime_program
+    results = _runtime.run_program(program, consts, inputs)
+    self.replays += 1
+    seeds.STEP_SEEDS.after_replay(seed, prog.draws)
+    return _write_back(prog, results, n)
+
 
 def _arg_global(leaf, n):
   """The global tensor an argument enters the step from (what a trace reads).
@@ -654,7 +692,7 @@ def _arg_global(leaf, n):
     return leaf._stacked_global(n)
   if isinstance(leaf, Mirrored):
     leaf = leaf.primary
-  if leaf.device.type != "xla":
+  if not _runtime.is_device_tensor(leaf):
     return _runtime.place_replicated(leaf)
   return _runtime.ensure_sharded(leaf)
 
@@ -666,7 +704,7 @@ def _write_back(prog, results, n):
   for target, value in zip(prog.targets, results):
     if target[0] == SLOT:
       slots[target[1]].set(value)
-    else:
+    elif target[0] == RET:
       rets[target[1]] = value
   for target, j in prog.aliases:
     if target[0] == SLOT:
@@ -707,7 +745,6 @@ class _Attempt:
   # -- before the trace ---------------------------------------------------------------------
   def _prepare(self, fn, leaves, spec):
     rep = self._replayer
-    x = _xla()
     store = rep._store
     slots = _slots(store) + _free_slots(fn)
     values = [s.get() for s in slots]
@@ -732,6 +769,9 @@ class _Attempt:
     self.args, self.kwargs = unflatten(spec, new_leaves)
     if any(v is None for v in values):
       return self._record("not captured: a state slot has no value")
+    if _runtime.REPLAY_KIND == "program":
+      return self._prepare_program(store, slots, values, globals_)
+    x = _xla()
     arg_tensors = [g for g in globals_ if g is not None]
     need = x._check_tensor_need_materialization(values + arg_tensors)
     if any(need[: len(values)]):
@@ -769,6 +809,30 @@ class _Attempt:
     self._host = _host_state(store)
     self._ready = True
 
+  def _prepare_program(self, store, slots, values, globals_):
+    """`_prepare` on a runtime that hands over each step's program and inputs
+    (jax): an input is recognised by the identity of its array."""
+    by_array, ambiguous = {}, set()
+    for i, v in enumerate(values):
+      a = id(v._elem)
+      if a in by_array and values[by_array[a][1]] is not v:
+        ambiguous.add(a)
+      by_array.setdefault(a, (SLOT, i))
+    for i, g in enumerate(globals_):
+      if g is None:
+        continue
+      a = id(g._elem)
+      if a in by_array:
+        ambiguous.add(a)
+      by_array.setdefault(a, (ARG, i))
+    self._slots = slots
+    self._by_handle = by_array
+    self._ambiguous = ambiguous
+    self._held = (values, globals_)  # keeps the arrays (and so their ids) alive
+    self._uids = [_runtime.ir_id(v) for v in values]
+    self._host = _host_state(store)
+    self._ready = True
+
   # -- after the trace ------------------------------------------------------------------------
   def abandon(self):
     """The trace failed: keep the seed bookkeeping right."""
@@ -792,6 +856,10 @@ class _Attempt:
       self._entry.program = prog
       self._entry.promoted = False
       return result
+    if _runtime.REPLAY_KIND == "program":  # the traced step has run already
+      rep.captures += 1
+      self._offer(prog)
+      return result
     # Run the captured step itself: its inputs are the traced graph's device data.
     results = _xla()._run_cached_graph(prog.hash, values)
     result = _write_back(prog, results, rep._n)
@@ -807,7 +875,7 @@ class _Attempt:
     for leaf in flatten(result)[0]:
       if isinstance(leaf, PerReplica) and leaf._stacked is not None:
         tensors.append(leaf._stacked)
-      elif isinstance(leaf, torch.Tensor) and leaf.device.type == "xla":
+      elif isinstance(leaf, torch.Tensor) and _runtime.is_device_tensor(leaf):
         tensors.append(leaf)
     tensors = [t for t in tensors if t is not None]
     if tensors:
@@ -867,6 +935,8 @@ class _Attempt:
       raise _NotCapturable(f"capturing failed ({type(e).__name__}: {e})", permanent=True) from e
 
   def _program(self, result, seed1):
+    if _runtime.REPLAY_KIND == "program":
+      return _program_of_runtime(self, result)
     rep = self._replayer
     x = _xla()
     store = rep._store
@@ -891,7 +961,7 @@ class _Attempt:
         outs.append(leaf._stacked)
         targets.append((RET, j))
         ret_leaves.append("stacked")
-      elif isinstance(leaf, torch.Tensor) and leaf.device.type == "xla":
+      elif isinstance(leaf, torch.Tensor) and _runtime.is_device_tensor(leaf):
         outs.append(leaf)
         targets.append((RET, j))
         ret_leaves.append("tensor")
@@ -977,6 +1047,118 @@ class _Attempt:
     prog.restamp = [s.tensor for s in slots if s.kind == COPIES]
     prog.n_outputs = len(kept)
     return prog, values
+
+
+def _new_state_slots(attempt):
+  """The attempt's slots, with the gradients the step made; refuses other new state."""
+  known = {s.ident() for s in attempt._slots}
+  slots, uids = list(attempt._slots), list(attempt._uids)
+  for s in _slots(attempt._replayer._store):
+    if s.ident() not in known:
+      if s.kind != GRAD:  # a gradient made by the step is an output like any other
+        raise _NotCapturable("the step created state (optimizer state or variables)")
+      slots.append(s)
+      uids.append(None)
+  return slots, uids
+
+
+def _program_of_runtime(attempt, result):
+  """The jax runtime's capture: the step's program as the runtime ran it, its
+  inputs mapped to slots and arguments by array identity, its results to the
+  slots the step wrote and to what fn returned."""
+  store = attempt._replayer._store
+  slots, uids = _new_state_slots(attempt)
+  host = _host_change(store, attempt._host, _host_state(store))
+  if host is not None:
+    raise _NotCapturable(host, permanent=True)
+  program, consts, inputs, results = _runtime.last_program()
+  index = {id(r): j for j, r in enumerate(results)}
+  targets = [(DROP,)] * len(results)
+  aliases = []
+
+  def target_of(tensor, target):
+    j = index.get(id(tensor._elem))
+    if j is None:
+      return False
+    if targets[j][0] == DROP:
+      targets[j] = target
+    else:
+      aliases.append((target, j))
+    return True
+
+  ret_leaves_in, ret_spec = flatten(result)
+  ret_leaves = []
+  for j, leaf in enumerate(ret_leaves_in):
+    if isinstance(leaf, PerReplica) and leaf._stacked is not None:
+      ok, kind = target_of(leaf._stacked, (RET, j)), "stacked"
+    elif isinstance(leaf, torch.Tensor) and _runtime.is_device_tensor(leaf):
+      ok, kind = target_of(leaf, (RET, j)), "tensor"
+    elif isinstance(leaf, _PLAIN):
+      ret_leaves.append(("py", leaf))
+      continue
+    else:
+      raise _NotCapturable(
+        f"fn returns a {type(leaf).__name__} (a host value or an object made by "
+        "the step: only device tensors and plain Python values are replayed)",
+        permanent=True,
+      )
+    if not ok:
+      raise _NotCapturable("a returned tensor is not computed by the step")
+    ret_leaves.append(kind)
+  cleared = []
+  for i, s in enumerate(slots):
+    value = s.get(settle=False)
+    if value is None:
+      if s.kind == GRAD:
+        cleared.append(i)
+        continue
+      raise _NotCapturable("a state slot lost its value")
+    if _runtime.ir_id(value) != uids[i] and not target_of(value, (SLOT, i)):
+      raise _NotCapturable("a state slot was given a value the step did not compute")
+  sources, consts_seen = [], [(id(c), c) for part in consts for c in part]
+  for array in inputs:
+    a = id(array)
+    if a in attempt._ambiguous:
+      raise _NotCapturable(
+        "an argument shares its device array with a variable or another argument"
+      )
+    source = attempt._by_handle.get(a)
+    if source is None:
+      sources.append((CONST, array))
+      consts_seen.append((a, array))
+    else:
+      sources.append(source)
+  prog = _Program()
+  prog.hash = program.text_key
+  prog.slots = slots
+  prog.sources = sources
+  prog.targets = targets
+  prog.aliases = aliases
+  prog.cleared = cleared
+  prog.ret_spec = ret_spec
+  prog.ret_leaves = ret_leaves
+  prog.draws = 0
+  prog.consts = [(a, _ConstView(c)) for a, c in consts_seen]
+  prog.restamp = [s.tensor for s in slots if s.kind == COPIES]
+  prog.n_outputs = len(results)
+  prog.runtime_program = (program, consts)
+  return prog, None
+
+
+class _ConstView:
+  """A constant array seen as `_same_constants` compares them (shape, dtype,
+  size and host values)."""
+
+  def __init__(self, array):
+    self.array = array
+    self.shape = tuple(array.shape)
+    self.dtype = array.dtype
+
+  def numel(self):
+    return int(np.prod(self.shape))
+
+  def cpu(self):
+    return torch.from_numpy(np.array(self.array))
 
 
 def _replay_compiled(extended, n):

@@ -331,11 +331,11 @@ def _on_xla(args, kwargs):
   made once, on the host, while the step is traced)."""
   for a in args:
     if isinstance(a, torch.Tensor):
-      return a.device.type == "xla"
+      return _runtime.is_device_tensor(a)
   device = kwargs.get("device")
   if device is None:
     return False
-  return torch.device(device).type == "xla"
+  return torch.device(device).type == _runtime.DEVICE_KIND
 
 
 def draw(func, args, kwargs, region):

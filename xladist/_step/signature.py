@@ -167,7 +167,8 @@ def _pending(tensors):
   """("pending", None) when `tensors` hold device data only, else ("pending",
   the hash of the work they hold, traced and not executed yet: it joins the
   next program)."""
-  xla = [t for t in tensors if t.is_xla]
+  is_dev = _runtime.is_device_tensor
+  xla = [t for t in tensors if is_dev(t)]
   if not xla:
     return ("pending", None)
   h = _runtime.graph_hash(xla)
@@ -236,6 +237,13 @@ def take_with_state(fn, args, kwargs, store, synced=True):
 
 
 def _take(fn, args, kwargs, store, state, synced=True):
+  # Attribute reads of tensors (.grad, .requires_grad) skip torch-function modes
+  # (the jax runtime's torchax mode lowers each one as an op).
+  with torch._C.DisableTorchFunction():
+    return _take_entries(fn, args, kwargs, store, state, synced)
+
+
+def _take_entries(fn, args, kwargs, store, state, synced):
   out = {}
   _, func = _unwrap(fn)
   code = getattr(func, "__code__", None)

@@ -124,7 +124,7 @@ class StepTensors(TorchFunctionMode):
     except (KeyError, TypeError):  # first seen, or a function that cannot be a key
       kind = _kind(func)
     if kind is _HOST_READ or (kind is _TO and _to_host(args, kwargs or {})):
-      if any(isinstance(a, torch.Tensor) and a.is_xla for a in args):
+      if any(isinstance(a, torch.Tensor) and _runtime.is_device_tensor(a) for a in args):
         raise _runtime.HostReadInStep(_runtime.user_frame())
     made = self._made
     if kind is not _ATTRIBUTE:  # reading or setting t.grad, t.data computes nothing
@@ -144,12 +144,13 @@ class StepTensors(TorchFunctionMode):
         result = func(*args, **kwargs)
     else:
       result = func(*args, **kwargs)
+    is_dev = _runtime.is_device_tensor
     if isinstance(result, torch.Tensor):
-      if id(result) not in made and result.is_xla:
+      if id(result) not in made and is_dev(result):
         self._note(result, args, kwargs)
     elif isinstance(result, (tuple, list)):
       for r in result:
-        if isinstance(r, torch.Tensor) and id(r) not in made and r.is_xla:
+        if isinstance(r, torch.Tensor) and id(r) not in made and is_dev(r):
           self._note(r, args, kwargs)
     return result
 
@@ -162,7 +163,7 @@ class StepTensors(TorchFunctionMode):
     strategy = self._region.strategy
     where = (
       f"on the {t.device.type} device"
-      if t.device.type != "xla"
+      if not _runtime.is_device_tensor(t)
       else (
         "on the XLA device, but not made under this strategy's scope (moved by hand, "
         "copied, or made by another strategy)"
@@ -191,7 +192,7 @@ class StepTensors(TorchFunctionMode):
 
   def track(self, t):
     """Records a tensor made by xladist itself (an argument's local view)."""
-    if isinstance(t, torch.Tensor) and t.is_xla:
+    if isinstance(t, torch.Tensor) and _runtime.is_device_tensor(t):
       self._made.setdefault(id(t), t)
 
   def release(self, keep, fn):

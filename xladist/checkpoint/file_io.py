@@ -132,7 +132,7 @@ def tensors(value):
 
 def xla_tensors(value):
   """The XLA tensors in `value`, in a fixed order."""
-  return [t for t in tensors(value) if t.device.type == "xla"]
+  return [t for t in tensors(value) if _runtime.is_device_tensor(t)]
 
 
 def to_cpu(value, copies):

@@ -320,7 +320,8 @@ def save(path, objects, rng, api):
   coordinator = not distributed or _rank() == 0
   state = {name: _Entry(entry["value"]) for name, entry in objects.items()}
   state[RNG_KEY] = _Entry(rng)
-  xla = [t for t in tensors([e["value"] for e in objects.values()]) if t.device.type == "xla"]
+  is_dev = _runtime.is_device_tensor
+  xla = [t for t in tensors([e["value"] for e in objects.values()]) if is_dev(t)]
   if xla:
     # One execution for whatever is still pending; DCP then copies each
     # tensor it writes from its device, one at a time.
@@ -442,7 +443,7 @@ def load(path, manifest, targets, rng_target, api):
     except dcp.api.CheckpointException as e:
       raise _unwrap(e) from None
   values = {name: state[name].value for name in targets}
-  xla = [t for t in tensors(list(values.values())) if t.device.type == "xla"]
+  xla = [t for t in tensors(list(values.values())) if _runtime.is_device_tensor(t)]
   if xla:
     _runtime.sync(xla)  # the copies into the fresh XLA tensors, in one execution
   return values, state[RNG_KEY].value
@@ -462,7 +463,7 @@ def fresh_tensors(layout, likes):
     like = likes.get(path)
     if (
       isinstance(like, torch.Tensor)
-      and like.device.type == "xla"
+      and _runtime.is_device_tensor(like)
       and like.shape == meta.shape
       and like.dtype == meta.dtype
       and _is_sharded(like)

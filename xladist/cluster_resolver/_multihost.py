@@ -1,4 +1,4 @@
-"""Multi-host initialisation: a cluster resolver's cluster -> torch_xla's multi-host runtime.
+"""Multi-host initialisation: a cluster resolver's cluster -> the runtime's multi-host runtime.
 
 xladist runs one process per host and ONE SPMD program over a mesh of every
 host's devices; the collectives between hosts are torch_xla's (PJRT's), nothing
@@ -24,6 +24,15 @@ client is created the first time an XLA device is touched):
   `LOCAL_WORLD_SIZE` / `PJRT_LOCAL_PROCESS_COUNT`, `MASTER_ADDR` and
   `XLA_COORDINATOR_PORT` (default 8547).
 
+On the jax runtime (`XLADIST_BACKEND=jax`, runtime/jax_runtime.py) any
+device type, XLA:CPU included, forms a multi-host runtime: `runtime_env`
+gives it the coordinator (the chief's address), the process count and this
+process's index, from which it calls `jax.distributed.initialize` (gloo
+collectives on CPU) when it starts. Its collectives never return when a peer
+died or stopped, so there every step and reduction of a multi-host strategy
+is waited for with a bound (`wait_for_step`, `wait_for_hosts`), and an error
+of the runtime becomes one that names the other hosts.
+
 The mapping from a cluster to these settings (`cluster_info`, `runtime_env`,
 `apply_env`, `check_runtime`, `local_shard_rows`) is made of pure functions so
 that it can be tested without a second host. Process order: the "chief" task
@@ -33,6 +42,7 @@ coordinator's.
 """
 
 import dataclasses
+import math
 import os
 import threading
 
@@ -188,24 +198,42 @@ def _truthy(value):
   return str(value).strip().lower() in ("1", "true", "yes")
 
 
-def runtime_env(cluster, device_type, api, environ=None):
-  """The environment variables that make torch_xla 2.9 join `cluster`.
+def runtime_env(cluster, device_type, api, environ=None, backend=None):
+  """The environment variables that make the runtime (torch_xla 2.9, or jax) join `cluster`.
 
-  One host: nothing (torch_xla starts a runtime of its own, as today). TPU:
-  `TPU_WORKER_ID` and `TPU_WORKER_HOSTNAMES` (the slice is formed by libtpu).
-  A PJRT plugin with `PJRT_DYNAMIC_PLUGINS=1` in `environ`: the torchrun-style
-  variables torch_xla's coordinator reads, one process per host, the
-  coordinator at the chief's address.
+  One host: nothing (the runtime starts on its own, as today).
+
+  On the jax runtime (`backend` "jax"; default: `xladist.runtime.BACKEND`),
+  for any device type: `XLADIST_JAX_COORDINATOR` (the chief's "host:port"; port
+  8547 if the address has none), `XLADIST_JAX_NUM_PROCESSES` and
+  `XLADIST_JAX_PROCESS_ID`, from which runtime/jax_runtime.py calls
+  `jax.distributed.initialize` (gloo collectives on CPU). `device_type` is not
+  used there, so it may be a function that returns it (asking the jax runtime
+  its device type starts it, which must happen after these variables are set).
+
+  On torch_xla: TPU: `TPU_WORKER_ID` and `TPU_WORKER_HOSTNAMES` (the slice is
+  formed by libtpu). A PJRT plugin with `PJRT_DYNAMIC_PLUGINS=1` in `environ`:
+  the torchrun-style variables torch_xla's coordinator reads, one process per
+  host, the coordinator at the chief's address.
 
   Raises:
-    NotImplementedError: several hosts on XLA:CPU (torch_xla 2.9's CPU client
-      is local to one process), or on a device type torch_xla forms no
-      multi-host runtime for.
+    NotImplementedError: on torch_xla, several hosts on XLA:CPU (torch_xla
+      2.9's CPU client is local to one process), or on a device type torch_xla
+      forms no multi-host runtime for.
   """
   environ = os.environ if environ is None else environ
   if cluster.num_workers == 1:
     return {}
   n, i = cluster.num_workers, cluster.task_index
+  if (_runtime.BACKEND if backend is None else backend) == "jax":
+    host, port = split_address(cluster.coordinator, api)
+    return {
+      "XLADIST_JAX_COORDINATOR": f"{host}:{port or COORDINATOR_DEFAULT_PORT}",
+      "XLADIST_JAX_NUM_PROCESSES": str(n),
+      "XLADIST_JAX_PROCESS_ID": str(i),
+    }
+  if callable(device_type):
+    device_type = device_type()
   if device_type == "CPU":
     raise NotImplementedError(
       f"{api}: the cluster has {n} hosts {list(cluster.hosts)}, but this process "
@@ -263,8 +291,14 @@ def apply_env(values, environ, api):
   return changed
 
 
+def _runtime_name():
+  """The runtime library's name, for messages."""
+  return "jax" if _runtime.BACKEND == "jax" else "torch_xla"
+
+
 def check_runtime(cluster, process_count, process_index, api):
-  """Raises RuntimeError unless torch_xla's process count and index match `cluster`."""
+  """Raises RuntimeError unless the runtime's process count and index match `cluster`."""
+  name = _runtime_name()
   described = (
     f"the cluster resolver describes {cluster.num_workers} host(s)"
     f"{' ' + str(list(cluster.hosts)) if cluster.hosts else ''} with this "
@@ -273,22 +307,22 @@ def check_runtime(cluster, process_count, process_index, api):
   if process_count != cluster.num_workers:
     if process_count == 1:
       fix = (
-        "torch_xla started a runtime of this process alone: it was started "
+        f"{name} started a runtime of this process alone: it was started "
         "before the strategy (create the multi-host strategy before any other "
         "strategy or XLA tensor), or the device type has no multi-host runtime."
       )
     else:
       fix = (
-        "torch_xla joined a runtime of several processes (e.g. a TPU pod "
+        f"{name} joined a runtime of several processes (e.g. a TPU pod "
         "slice): describe all of its hosts, e.g. with "
         "cluster_resolver.TPUClusterResolver() or a TF_CONFIG listing each host."
       )
     raise RuntimeError(
-      f"{api}: {described}, but torch_xla's runtime has {process_count} process(es). {fix}"
+      f"{api}: {described}, but {name}'s runtime has {process_count} process(es). {fix}"
     )
   if process_index != cluster.task_index:
     raise RuntimeError(
-      f"{api}: {described}, but torch_xla's runtime numbers this process "
+      f"{api}: {described}, but {name}'s runtime numbers this process "
       f"{process_index}. The resolver's host order must be the runtime's process "
       "order (the chief first, then the workers by index; on TPU the TPU worker "
       'ids): fix the task index (TF_CONFIG\'s "task" or TPU_WORKER_ID).'
@@ -298,7 +332,7 @@ def check_runtime(cluster, process_count, process_index, api):
 def _join_message(cluster, api, timeout_seconds, env):
   set_vars = ", ".join(f"{k}={v}" for k, v in env.items()) or "nothing"
   return (
-    f"{api}: torch_xla's multi-host runtime did not start within "
+    f"{api}: {_runtime_name()}'s multi-host runtime did not start within "
     f"{timeout_seconds:g} s. This process is host {cluster.task_index} of "
     f"{cluster.num_workers} {list(cluster.hosts)}; coordinator (chief) "
     f"{cluster.coordinator}; xladist set {set_vars}. Check that every host started "
@@ -312,15 +346,31 @@ def _process_count_index():
   return _runtime.process_count_index()
 
 
+def _start_jax(cluster, api, timeout, env):
+  """Starts the jax runtime, joining the cluster within `timeout` seconds.
+
+  The runtime starts in this thread, not in a helper one as torch_xla's:
+  torchax's torch modes (`torchax.enable_globally()`) are thread-local, so it
+  must start in the thread that runs the program. The jax runtime bounds its
+  own join (`XLADIST_JAX_JOIN_TIMEOUT`, set here); its TimeoutError becomes
+  one that names the cluster.
+  """
+  os.environ["XLADIST_JAX_JOIN_TIMEOUT"] = str(max(1, math.ceil(timeout)))
+  try:
+    return _process_count_index()
+  except TimeoutError as e:
+    raise TimeoutError(f"{_join_message(cluster, api, timeout, env)} ({e})") from e
+
+
 def initialize(cluster_resolver, api, timeout_seconds=None):
-  """Starts torch_xla's runtime for the resolver's cluster (once per process).
+  """Starts the runtime (torch_xla's, or jax's) for the resolver's cluster (once per process).
 
   Call it before `_runtime.initialize()` (a multi-host strategy's constructor
   does). One host: `_runtime.initialize()` as for any strategy. Several hosts:
-  the variables of `runtime_env` are set, then the runtime is started in a
-  helper thread and waited for at most `timeout_seconds` (default 600 s).
-  Either way torch_xla's process count and index are checked against the
-  resolver.
+  the variables of `runtime_env` are set, then the runtime is started and
+  waited for at most `timeout_seconds` (default 600 s): torch_xla's in a
+  helper thread, jax's in this one (`_start_jax`). Either way the runtime's
+  process count and index are checked against the resolver.
 
   Returns:
     The `ClusterInfo`.
@@ -329,7 +379,7 @@ def initialize(cluster_resolver, api, timeout_seconds=None):
     TypeError, ValueError: as `cluster_info` and `apply_env`.
     NotImplementedError: as `runtime_env`.
     TimeoutError: the other hosts did not join in time.
-    RuntimeError: torch_xla's runtime disagrees with the resolver, or this
+    RuntimeError: the runtime disagrees with the resolver, or this
       process already joined another multi-host cluster.
   """
   global _process_cluster
@@ -347,13 +397,18 @@ def initialize(cluster_resolver, api, timeout_seconds=None):
         "for another cluster. Reuse that cluster's resolver."
       )
     if cluster.num_workers > 1:
-      env = runtime_env(cluster, _runtime.device_type(), api)
+      # The device type only where the rules need it: asking the jax runtime
+      # starts it, which must come after its variables are set.
+      env = runtime_env(cluster, _runtime.device_type, api)
     if cluster.num_workers > 1 and not _runtime.is_initialized():
       apply_env(env, os.environ, api)
       timeout = DEFAULT_JOIN_TIMEOUT_SECONDS if timeout_seconds is None else timeout_seconds
-      count, index = _runtime.call_with_timeout(
-        _process_count_index, timeout, _join_message(cluster, api, timeout, env)
-      )
+      if _runtime.BACKEND == "jax":
+        count, index = _start_jax(cluster, api, timeout, env)
+      else:
+        count, index = _runtime.call_with_timeout(
+          _process_count_index, timeout, _join_message(cluster, api, timeout, env)
+        )
     else:
       # One host, or the runtime already started (checked against the cluster below).
       count, index = _process_count_index()
@@ -383,17 +438,60 @@ def wait_for_hosts(tensors, what):
 
   Raises:
     TimeoutError: naming `what`, the hosts and what to check.
+    RuntimeError: the runtime reported an error for the programs (a
+      collective lost another host), naming `what` and the other hosts.
   """
   timeout = host_timeout()
   if timeout is None or not tensors:
     return
   _runtime.sync(list(tensors))
-  _runtime.wait(
-    timeout,
-    f"{what} (on the hosts {list(_process_cluster.hosts)}: a host "
-    "that stopped or is slower holds up the collectives of every step; "
-    "check that host's log)",
-  )
+  _host_wait(timeout, what)
+
+
+def wait_for_step(what):
+  """Waits for the last step's program, bounded by `host_timeout()` (a no-op
+  on one host). On the jax runtime a multi-host strategy calls it after each
+  step: a collective whose peer died or stopped never returns there (gloo),
+  and every later program of this process, reductions included, would queue
+  behind it, so the first wait must be this bounded one.
+
+  Raises:
+    TimeoutError, RuntimeError: as `wait_for_hosts`.
+  """
+  timeout = host_timeout()
+  if timeout is None:
+    return
+  _host_wait(timeout, what)
+
+
+def _other_hosts(cluster):
+  return [h for i, h in enumerate(cluster.hosts) if i != cluster.task_index]
+
+
+def _host_wait(timeout, what):
+  """`_runtime.wait` bounded by `timeout`; an error of the runtime becomes a
+  RuntimeError that says which hosts this one was waiting for."""
+  cluster = _process_cluster
+  try:
+    _runtime.wait(
+      timeout,
+      f"{what} (on the hosts {list(cluster.hosts)}: a host "
+      "that stopped or is slower holds up the collectives of every step; "
+      "check that host's log)",
+    )
+  except TimeoutError:
+    raise
+  except Exception as e:
+    detail = str(e).strip().splitlines()
+    raise RuntimeError(
+      f"{what} failed on host {cluster.task_index} of {cluster.num_workers} "
+      f"({cluster.hosts[cluster.task_index]}, task {cluster.task[0]} {cluster.task[1]}): "
+      f"{_runtime_name()}'s collectives lost another host of the cluster "
+      f"{_other_hosts(cluster)}: it died, was killed or closed its connections. "
+      "Check that host's log, then restart the job on every host (from the last "
+      f"checkpoint). The runtime reported {type(e).__name__}: "
+      f"{detail[0] if detail else ''}"
+    ) from e
 
 
 def process_cluster():
@@ -477,10 +575,26 @@ def local_components(stacked, replica_ids, num_replicas):
   Raises:
     RuntimeError: a replica of `replica_ids` has no device on this host.
   """
-  _runtime.sync([stacked])
-  _runtime.wait(host_timeout(), "experimental_local_results: the step that makes the value")
+  return tuple(row.squeeze(0) for row in _local_shard_of(stacked, replica_ids, num_replicas))
+
+
+def local_copies(tensor, replica_ids, num_replicas):
+  """Replica r's copy of a replicated (mirrored) tensor, for r in `replica_ids`,
+  read from this host's own device buffers as `local_components` (a host
+  reads only its own replicas' copies)."""
+  return _local_shard_of(tensor, replica_ids, num_replicas)
+
+
+def _local_shard_of(tensor, replica_ids, num_replicas):
+  """The host copies of `tensor`'s shards on the first device of each replica of `replica_ids`."""
+  _runtime.sync([tensor])
+  what = "experimental_local_results: the step that makes the value"
+  if host_timeout() is None:
+    _runtime.wait(None, what)
+  else:
+    _host_wait(host_timeout(), what)
   k = _runtime.cores_per_replica(num_replicas)
-  shards = _runtime.local_shards(stacked)
+  shards = _runtime.local_shards(tensor)
   rows = {}
   for (shard, _), device_id in zip(
     shards, _device_ids([d for _, d in shards], "experimental_local_results")
@@ -492,7 +606,7 @@ def local_components(stacked, replica_ids, num_replicas):
       f"experimental_local_results: replicas {missing} have no device on this host "
       f"(its devices hold replicas {sorted(rows)})."
     )
-  return tuple(rows[r].squeeze(0) for r in replica_ids)
+  return tuple(rows[r] for r in replica_ids)
 
 
 def from_local_shards(tensors, order, num_replicas):
@@ -532,8 +646,16 @@ def default_resolver(device_type):
   TF_CONFIG's cluster (`TFConfigClusterResolver`); on TPU when TF_CONFIG names
   no cluster, the TPU slice itself (`TPUClusterResolver()`), since libtpu joins
   every host of the slice into the runtime anyway.
+
+  `device_type` may be a function that returns it: it is then asked only when
+  TF_CONFIG names no cluster (asking the jax runtime starts it, which must
+  wait until a TF_CONFIG cluster's variables are set).
   """
   resolver = resolvers.TFConfigClusterResolver()
-  if not resolver.cluster_spec() and device_type == "TPU":
+  if resolver.cluster_spec():
+    return resolver
+  if callable(device_type):
+    device_type = device_type()
+  if device_type == "TPU":
     return resolvers.TPUClusterResolver()
   return resolver

@@ -239,7 +239,8 @@ class RemoteOptimizer:
 
 def _to_host(out):
   leaves, spec = flatten(out)
-  xla = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.device.type == "xla"]
+  is_dev = _runtime.is_device_tensor
+  xla = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and is_dev(x)]
   if xla:
     _runtime.sync()
     host = _runtime.to_host([leaves[i].detach() for i in xla])

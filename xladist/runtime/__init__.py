@@ -24,8 +24,10 @@ selected runtime module):
   `spmd_all_reduce` (the collective inside it), `no_execution` with
   `HostReadInStep` (host reads refused while a step is traced), tensor
   identities (`ir_id`, `tensor_id`, `next_tensor_id`);
-* host transfers and step boundaries: `to_host` (one batch), `sync`, `wait`,
-  `call_with_timeout`, `replica_copies`;
+* host transfers and step boundaries: `is_device_tensor` (whether a tensor is
+  on the runtime's device, global or a step's local view, rather than on the
+  host; `DEVICE_KIND` is the torch device type of such tensors), `to_host`
+  (one batch), `sync`, `wait`, `call_with_timeout`, `replica_copies`;
 * counters and program text: `compile_count`, `execute_count`, `cache_hits`,
   `hlo_text`, `at_next_sync`; what a step's program depends on: `sharding_spec`,
   `graph_hash`;
@@ -44,12 +46,27 @@ runtime layer") says what a runtime that compiles a step from its explicit
 inputs (jax.jit of a shard_map; TorchTPU on DTensor) needs in addition.
 """
 
+import importlib.util
 import os
 
-from xladist.runtime import xla as _backend
+BACKENDS = ("torch_xla", "jax")
 
-BACKENDS = ("torch_xla",)
-BACKEND = os.environ.get("XLADIST_BACKEND", "torch_xla") or "torch_xla"
+
+def _default_backend():
+  """torch_xla where it is installed, else jax."""
+  try:
+    found = importlib.util.find_spec("torch_xla") is not None
+  except ImportError:  # an import hook that refuses it
+    found = False
+  return "torch_xla" if found else "jax"
+
+
+BACKEND = os.environ.get("XLADIST_BACKEND", "") or _default_backend()
+
+if BACKEND == "jax":
+  from xladist.runtime import jax_runtime as _backend
+else:
+  from xladist.runtime import xla as _backend
 
 INTERFACE = (
   "initialize",
@@ -57,6 +74,8 @@ INTERFACE = (
   "device_type",
   "num_devices",
   "device",
+  "DEVICE_KIND",
+  "is_device_tensor",
   "cores_per_replica",
   "mesh",
   "runtime_devices",
@@ -105,6 +124,13 @@ INTERFACE = (
   "at_next_sync",
   "empty_sharded_like",
   "is_sharded",
+  "traced_step",
+  "REPLAYS",
+  "REPLAY_KIND",
+  "last_program",
+  "in_traced_step",
+  "require",
+  "run_program",
   # torch_xla's device detection and compile-cache rules (tests read them)
   "compile_cache_path",
   "COMPILE_CACHE_DEVICE_TYPES",
@@ -117,12 +143,13 @@ def _check_backend():
   if BACKEND not in BACKENDS:
     raise RuntimeError(
       f"xladist: XLADIST_BACKEND={BACKEND!r} names no runtime of this release; the "
-      f"runtimes are {', '.join(BACKENDS)}. Unset the variable or set it to torch_xla."
+      f"runtimes are {', '.join(BACKENDS)}. Unset the variable (torch_xla where it is "
+      "installed, else jax) or set it to one of them."
     )
 
 
 def initialize():
-  """Starts the selected runtime once per process (see runtime/xla.py)."""
+  """Starts the selected runtime once per process (runtime/xla.py, runtime/jax_runtime.py)."""
   _check_backend()
   return _backend.initialize()
 

@@ -35,6 +35,20 @@ at once which fixes still hold. Checked with torch 2.9.0, jax 0.10.2 and torchax
    through torch's decomposition instead, which updates both buffers in place
    with the unbiased variance, as torch does.
 
+6. `Tensor.data` returns the tensor itself in torchax (and logs a warning
+   each time), so `saved = t.data; t.data = other; t.data = saved` does not
+   put the value back: xladist's step saves and restores variables that way.
+   Here `.data` is a new tensor over the same jax array, as torch's `.data`
+   is a new tensor over the same storage. JAX arrays are immutable, so an
+   in-place write through `.data` (`p.data.add_(x)`) does not reach `p` on
+   this runtime: write `p` itself under `torch.no_grad()` (docs/architecture.md).
+
+7. With torchax's modes on for the whole process (the jax runtime enables them
+   globally), ops whose operands are host tensors or storages only (the
+   storage clone of `copy.deepcopy(cpu_model)`, a CPU model's backward) are
+   torch's own, not lowered: torchax has no lowering for storage ops and its
+   backward rules would get CPU tensors.
+
 Not here (the runtime's step handles it): the PRNG key, which torchax's
 `jax_jit` bakes in at trace time (the same dropout mask every step): the step
 takes a fresh key as an input.
@@ -169,6 +183,33 @@ def _recorded_under_autograd(lowered, name):
   return method
 
 
+def _host_only(txt, args, kwargs):
+  """Whether an op's operands are host tensors or storages, none a torchax
+  tensor or view (fix 7). Ops without tensor operands (factories) are not."""
+  import torch.utils._pytree as pytree
+  from torchax import view
+
+  torch = _torch()
+  host = False
+  for a in pytree.tree_leaves((args, kwargs)):
+    if isinstance(a, (txt.Tensor, view.View)):
+      return False
+    if isinstance(a, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage)):
+      host = True
+    elif isinstance(a, (str, torch.device)) and str(a).split(":")[0] in _JAX_DEVICES:
+      return False  # a move to the jax device (`t.to("jax")`) is torchax's
+  return host
+
+
+_JAX_DEVICES = ("jax", "privateuseone")
+
+
+def _data_alias(self):
+  from torchax import tensor as txt
+
+  return txt.Tensor(self._elem, self._env)
+
+
 def install():
   """Applies the fixes to torchax (idempotent; imports torchax)."""
   if _installed:
@@ -180,6 +221,9 @@ def install():
 
   def torch_function(self, func, types, args=(), kwargs=None):
     kwargs = kwargs or {}
+    if _host_only(txt, args, kwargs):
+      with torch.utils._python_dispatch._disable_current_modes(), torch._C.DisableTorchFunction():
+        return func(*args, **kwargs)  # fix 7
     if (
       torch.is_grad_enabled()
       and txt._name_of_func(func) not in _KEEP_LOWERED
@@ -194,6 +238,12 @@ def install():
 
   def torch_dispatch(self, func, types, args=(), kwargs=None):
     kwargs = kwargs or {}
+    if _host_only(txt, args, kwargs):
+      # torchax's mode is on for the whole process (the jax runtime enables it
+      # globally): ops of host tensors and storages (`copy.deepcopy` of a CPU
+      # model clones its storages) are torch's own (fix 7).
+      with torch.utils._python_dispatch._disable_current_modes():
+        return func(*args, **kwargs)
     rule = by_vjp.get(func)
     if rule is not None:  # fix 3
       return rule(self.env, *args, **kwargs)
@@ -207,4 +257,5 @@ def install():
   txt.XLADispatchMode.__torch_dispatch__ = torch_dispatch
   for name in _GRAPH_CUTTING_METHODS:  # fix 5
     setattr(txt.Tensor, name, _recorded_under_autograd(getattr(txt.Tensor, name), name))
+  txt.Tensor.data = property(_data_alias, txt.Tensor.data.fset)  # fix 6
   _installed.append((lowered_function, lowered_dispatch))

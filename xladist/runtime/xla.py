@@ -297,6 +297,15 @@ def device():
   return initialize().device
 
 
+# The torch device type string of this runtime's tensors.
+DEVICE_KIND = "xla"
+
+
+def is_device_tensor(tensor):
+  """True for a tensor of this runtime's device, global or a step's local view."""
+  return tensor.is_xla
+
+
 def cores_per_replica(num_replicas=None):
   """How many devices (TF's logical devices, "cores") each replica spans.
 
@@ -498,31 +507,28 @@ def no_execution():
     yield
   except RuntimeError as e:
     if "Unexpected execution" in str(e):
-      raise HostReadInStep(_user_frame(traceback.extract_tb(e.__traceback__))) from None
+      from xladist.runtime import host
+
+      raise HostReadInStep(host.frame_outside(traceback.extract_tb(e.__traceback__))) from None
     raise
   finally:
     x._set_allow_execution(saved)
 
 
-_SKIP_FRAMES = (
-  os.sep + "torch" + os.sep,
-  os.sep + "torch_xla" + os.sep,
-  os.sep + "xladist" + os.sep,
-  os.sep + "contextlib.py",
-)
-
-
-def _user_frame(frames):
-  """'at file:line: code' of the innermost frame outside torch, torch_xla and xladist."""
-  for frame in reversed(frames):
-    if not any(s in frame.filename for s in _SKIP_FRAMES):
-      return f"at {frame.filename}:{frame.lineno}: {frame.line}"
-  return "in a torch operation"
-
-
+# runtime/host.py, imported when used: this module's device detection runs in
+# a process that has imported neither torch nor xladist yet.
 def user_frame():
-  """`_user_frame` of the current call stack."""
-  return _user_frame(traceback.extract_stack()[:-1])
+  """'at file:line: code' of the innermost frame outside torch, the runtimes and xladist."""
+  from xladist.runtime import host
+
+  return host.user_frame()
+
+
+def call_with_timeout(fn, timeout_seconds, message):
+  """runtime/host.py's bounded wait."""
+  from xladist.runtime import host
+
+  return host.call_with_timeout(fn, timeout_seconds, message)
 
 
 def sync(tensors=None):
@@ -539,38 +545,6 @@ def _wait_device_ops():
   import torch_xla.core.xla_model as xm
 
   xm.wait_device_ops()
-
-
-def call_with_timeout(fn, timeout_seconds, message):
-  """Runs `fn()` in a daemon thread and returns its result within `timeout_seconds`.
-
-  The one way xladist bounds a host-side wait that torch_xla offers no timeout
-  for (a device wait, the start of a multi-host runtime).
-
-  Raises:
-    TimeoutError: `fn` did not return in time, with `message`. The thread is
-      left behind, still blocked in `fn` (a daemon: it does not keep the
-      process alive).
-    BaseException: whatever `fn` raised, re-raised in the caller's thread.
-  """
-  done = threading.Event()
-  outcome = []
-
-  def target():
-    try:
-      outcome.append((True, fn()))
-    except BaseException as e:  # re-raised in the caller's thread
-      outcome.append((False, e))
-    finally:
-      done.set()
-
-  threading.Thread(target=target, name="xladist-bounded-wait", daemon=True).start()
-  if not done.wait(timeout_seconds):
-    raise TimeoutError(message)
-  ok, value = outcome[0]
-  if not ok:
-    raise value
-  return value
 
 
 def wait(timeout_seconds=None, what="the device's pending work"):
@@ -812,3 +786,33 @@ def sync_count():
   """How many times the graph was cut in this process (torch_xla's MarkStep count)."""
   value = _xlac()._xla_counter_value("MarkStep")
   return 0 if value is None else value
+
+
+REPLAYS = True  # torch_xla's cached-graph primitives replay a traced step (_step/replay.py)
+REPLAY_KIND = "graph"  # replay.py reads the traced graph through `native()`
+
+
+def require(api):
+  """Every xladist API runs on torch_xla (the jax runtime refuses some)."""
+  del api
+
+
+def in_traced_step():
+  """torch_xla records steps lazily: no step has a trace of its own to be inside."""
+  return False
+
+
+def last_program():
+  """The jax runtime's; torch_xla's programs are found through `native()`."""
+  raise RuntimeError("xladist: last_program is the jax runtime's (replay.py: REPLAY_KIND)")
+
+
+def run_program(program, consts, inputs):
+  """The jax runtime's; torch_xla replays with `native()`'s cached graphs."""
+  raise RuntimeError("xladist: run_program is the jax runtime's (replay.py: REPLAY_KIND)")
+
+
+def traced_step(body):
+  """Runs a step's phases: torch_xla records them lazily; the program is cut
+  and run at the next sync."""
+  return body()

@@ -451,6 +451,7 @@ class CentralStorageStrategy(Strategy):
 
   def __init__(self, compute_devices=None, parameter_device=None, communication_options=None):
     _runtime.initialize()
+    _runtime.require("CentralStorageStrategy")
     _check_devices(compute_devices, "CentralStorageStrategy")
     if parameter_device is not None:
       try:

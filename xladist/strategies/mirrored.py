@@ -29,6 +29,8 @@ class SPMDExtended(StrategyExtended):
     self._communication_options = communication_options or CommunicationOptions()
     n = _runtime.num_devices()
     # Replica r spans devices r*k .. r*k + k - 1 and is named after the first.
+    if cores_per_replica > 1:
+      _runtime.cores_per_replica(n // cores_per_replica)  # the runtime refuses what it cannot
     self._cores_per_replica = cores_per_replica
     # Every replica's tensors live on torch_xla's one SPMD device; the names
     # must be devices a tensor can be put on (see StrategyExtended.worker_devices).
@@ -62,11 +64,12 @@ class SPMDExtended(StrategyExtended):
     # element per replica) is transferred, then split: torch_xla 2.9's sharding
     # spec cannot send one straight to a (replica, core) mesh (IndexError).
     n = self._num_replicas_in_sync
-    host = [t for t in tensors if t.device.type != "xla" and t.dim() > 1]
+    is_dev = _runtime.is_device_tensor
+    host = [t for t in tensors if not is_dev(t) and t.dim() > 1]
     placed = iter(_runtime.place_split_many(host) if host else ())
 
     def place(t):
-      if t.device.type == "xla":
+      if is_dev(t):
         return _runtime.place_split(t)
       if t.dim() == 1:
         return _runtime.place_split(t.to(_runtime.device()))
@@ -176,7 +179,7 @@ class SPMDExtended(StrategyExtended):
 
 
 def _place_variable(tensor):
-  if tensor.device.type == "xla":
+  if _runtime.is_device_tensor(tensor):
     _runtime.ensure_sharded(tensor)  # made on the XLA device: mark it replicated
     return None
   return _runtime.place_replicated(tensor)
@@ -247,10 +250,10 @@ def _check_devices(devices, api):
   indices = []
   for d in devices:
     try:
-      dev = torch.device(d) if not isinstance(d, int) else torch.device("xla", d)
+      dev = torch.device(d) if not isinstance(d, int) else torch.device(_runtime.DEVICE_KIND, d)
     except (RuntimeError, TypeError):
       dev = None
-    if dev is None or dev.type != "xla":
+    if dev is None or dev.type != _runtime.DEVICE_KIND:
       raise ValueError(
         f"{api}(devices={list(devices)!r}): {d!r} is not an XLA device; xladist "
         "replicas run on XLA devices named 'xla:0' .. "

@@ -4,7 +4,12 @@ Every host runs this same program; torch_xla's multi-host runtime (PJRT) joins
 the hosts' devices into one mesh whose replica axis spans them all, so a step
 is ONE SPMD program and its all-reduces cross hosts inside it. The cluster
 (which hosts, which one this process is) comes from a cluster resolver; see
-`xladist/_multihost.py` for how it is mapped onto torch_xla's settings.
+`xladist/cluster_resolver/_multihost.py` for how it is mapped onto the
+runtime's settings. On the jax runtime (`XLADIST_BACKEND=jax`) the hosts join
+through `jax.distributed` (gloo on CPU), and every step and reduction is
+waited for with a bound (`CommunicationOptions.timeout_seconds`, default
+600 s): a host that died or stalled makes the others fail with an error
+naming it, never hang.
 
 Host-level behaviour (TF's): `extended.experimental_between_graph` is True;
 only the chief has `should_checkpoint` and `should_save_summary`; each host
@@ -23,6 +28,7 @@ from xladist.input.options import InputReplicationMode
 from xladist.strategies.mirrored import SPMDExtended
 from xladist.strategy import Strategy
 from xladist.values import DistributedValues, PerReplica
+from xladist.variable_store import copies_of
 
 _API = "MultiWorkerMirroredStrategy"
 
@@ -112,6 +118,44 @@ class MultiWorkerExtended(SPMDExtended):
       )
     return tuple(value.values[r] for r in self._host_replicas)
 
+  # -- bounded waits (the jax runtime) --------------------------------------------
+  def _bounds_each_step(self):
+    """Whether every step and reduction is waited for, bounded: on several hosts
+    on the jax runtime, whose gloo collectives never return when a peer died or
+    stopped (and where every later program queues behind such a one)."""
+    return self._host_replicas is not None and _runtime.BACKEND == "jax"
+
+  def _call_for_each_replica(self, fn, args, kwargs, options=None):
+    if not self._bounds_each_step() or self._in_region():
+      return super()._call_for_each_replica(fn, args, kwargs, options)
+    out = super()._call_for_each_replica(fn, args, kwargs, options)
+    _multihost.wait_for_step(f"{self._api}.run: the step")
+    return out
+
+  def _reduce(self, reduce_op, value, axis, options=None):
+    out = super()._reduce(reduce_op, value, axis, options)
+    if (
+      self._bounds_each_step()
+      and not self._tracing()
+      and isinstance(out, torch.Tensor)
+      and _runtime.is_device_tensor(out)
+    ):
+      _multihost.wait_for_hosts([out], f"{self._api}.reduce: the reduction")
+    return out
+
+  def _variable_components(self, tensor):
+    """On several hosts on the jax runtime, this host's replicas' components of
+    a variable (TF's experimental_local_results there), read from this host's
+    devices (the other hosts' copies are not addressable here)."""
+    if self._host_replicas is None or _runtime.BACKEND != "jax":
+      return super()._variable_components(tensor)
+    n = self._num_replicas_in_sync
+    copies = copies_of(tensor)
+    if copies is not None:  # sync-on-read: each replica's row
+      stacked = copies.current(tensor, self._store.describe)
+      return _multihost.local_components(stacked, self._host_replicas, n)
+    return _multihost.local_copies(tensor, self._host_replicas, n)
+
   def _check_local_devices(self):
     """This host's devices must be its replicas' (checked at start, not at the first batch)."""
     if self._host_replicas is not None:
@@ -147,7 +191,7 @@ class MultiWorkerExtended(SPMDExtended):
   def _place_inputs(self, tensors):
     if self._host_replicas is None:
       return super()._place_inputs(tensors)
-    if any(t.device.type == "xla" for t in tensors):
+    if any(_runtime.is_device_tensor(t) for t in tensors):
       raise TypeError(
         f"{self._api}: a dataset yielded a tensor on an XLA device; on several hosts "
         "datasets must yield host (CPU) tensors, which xladist transfers to this "
@@ -192,8 +236,8 @@ class MultiWorkerMirroredStrategy(Strategy):
       `communication_options` is not a CommunicationOptions.
     ValueError: the cluster is malformed or does not contain this task (see
       the message), or the environment contradicts it.
-    NotImplementedError: several hosts on XLA:CPU (torch_xla 2.9 has no
-      cross-process CPU runtime).
+    NotImplementedError: several hosts on XLA:CPU with torch_xla (2.9 has no
+      cross-process CPU runtime; the jax runtime, XLADIST_BACKEND=jax, has).
     TimeoutError: the other hosts did not join in time.
     RuntimeError: torch_xla's runtime disagrees with the resolver (e.g. it was
       started before this strategy).
@@ -209,7 +253,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         f"{type(communication_options).__name__}."
       )
     if cluster_resolver is None:
-      cluster_resolver = _multihost.default_resolver(_runtime.device_type())
+      cluster_resolver = _multihost.default_resolver(_runtime.device_type)  # asked lazily
     timeout = communication_options.timeout_seconds if communication_options else None
     cluster = _multihost.initialize(cluster_resolver, _API, timeout)
     extended = MultiWorkerExtended(self, cluster, cluster_resolver, communication_options)

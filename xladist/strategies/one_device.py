@@ -30,6 +30,10 @@ class SingleReplicaExtended(StrategyExtended):
   def _place(self, tensor):
     if tensor.device == self._device:
       return tensor
+    if self._device.type == _runtime.DEVICE_KIND:
+      # The runtime's own transfer (a `.to(device)` needs torchax's mode, which
+      # is per thread, and input is placed in a prefetch thread).
+      return _runtime.place_replicated(tensor.detach())
     return tensor.detach().to(self._device)
 
   def _enter_scope(self):
@@ -65,7 +69,7 @@ class SingleReplicaExtended(StrategyExtended):
 
   def _call_for_each_replica(self, fn, args, kwargs, options=None):
     self._store.place_pending()
-    if self._device is not None and self._device.type == "xla":
+    if self._device is not None and self._device.type == _runtime.DEVICE_KIND:
       seeds.follow_torch_seed()
 
     def enter(nest, root):
@@ -113,7 +117,7 @@ def _parse_device(device):
     d = None
   if d is not None and d.type == "cpu":
     return torch.device("cpu")
-  if d is not None and d.type == "xla":
+  if d is not None and d.type == _runtime.DEVICE_KIND:
     n = _runtime.num_devices()
     if d.index is not None and not 0 <= d.index < n:
       raise ValueError(

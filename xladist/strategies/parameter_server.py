@@ -587,6 +587,7 @@ class ParameterServerStrategy(Strategy):
   """
 
   def __init__(self, cluster_resolver=None, variable_partitioner=None, communication_options=None):
+    _runtime.require("ParameterServerStrategy")
     if cluster_resolver is None:
       cluster_resolver = resolvers.TFConfigClusterResolver()
     if not isinstance(cluster_resolver, resolvers.ClusterResolver):

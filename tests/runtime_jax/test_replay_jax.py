@@ -1,0 +1,165 @@
+"""Replay on the jax runtime (on by default there): once a step's signature
+repeats, `strategy.run` runs the step's program again without tracing `fn`.
+
+The contract is tf.function's (`def_function_test.py`: a traced function's
+Python runs on tracing only; a new Python value it reads makes a new trace), and
+the results must be bit for bit those of tracing every step. Runs in this
+process: 4 XLA:CPU devices, `XLADIST_BACKEND=jax` (set by tests/runtime_jax's
+conftest).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import xladist as xd
+from xladist import runtime
+
+pytestmark = pytest.mark.skipif(
+  runtime.BACKEND != "jax", reason="tests/runtime_jax runs on the jax runtime (make test-jax)"
+)
+
+NO_REPLAY = xd.RunOptions(experimental_replay=False)
+
+
+def _train(strategy, steps, options=None, dropout=0.0, seed=0):
+  torch.manual_seed(1)
+  with strategy.scope():
+    model = torch.nn.Sequential(
+      torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Dropout(dropout), torch.nn.Linear(16, 3)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+  g = torch.Generator().manual_seed(2)
+  x, y = torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
+  batch = next(
+    iter(
+      strategy.experimental_distribute_dataset(
+        torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+      )
+    )
+  )
+
+  def step(xb, yb):
+    opt.zero_grad()
+    loss = F.cross_entropy(model(xb), yb)
+    loss.backward()
+    opt.step()
+    return loss
+
+  runtime.set_rng_seed(seed)
+  losses = [
+    strategy.reduce("mean", strategy.run(step, args=batch, options=options), axis=None)
+    for _ in range(steps)
+  ]
+  return [float(v) for v in losses], [p.detach().cpu().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.5])
+def test_replayed_steps_equal_traced_steps_bit_for_bit(dropout):
+  replayed = xd.MirroredStrategy()
+  traced = xd.MirroredStrategy()
+  losses_r, params_r = _train(replayed, 7, dropout=dropout)
+  losses_t, params_t = _train(traced, 7, options=NO_REPLAY, dropout=dropout)
+  rep = replayed.extended._engine._replayer
+  assert rep.replays >= 3, list(rep.reasons)
+  assert traced.extended._engine._replayer.replays == 0
+  assert losses_r == losses_t
+  for a, b in zip(params_r, params_t):
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+  if dropout:
+    assert len(set(losses_r)) == len(losses_r)  # every step drew a new mask
+
+
+def test_fn_python_runs_only_when_traced_and_nothing_compiles_after_warm_up():
+  strategy = xd.MirroredStrategy()
+  calls = []
+  with strategy.scope():
+    v = xd.Variable(0.0, name="counter")
+
+  def fn():
+    calls.append(1)  # a Python side effect: runs on traced steps only
+    v.assign_add(1.0)
+    return v.value * 1
+
+  for _ in range(3):
+    strategy.run(fn)
+  runtime.wait()
+  compiles = runtime.compile_count()
+  for _ in range(5):
+    out = strategy.run(fn)
+  rep = strategy.extended._engine._replayer
+  assert len(calls) == rep.traces == 2  # the first trace, and the capture that confirms it
+  assert rep.replays == 6
+  assert runtime.compile_count() == compiles
+  assert float(v.read_value()) == 8.0
+  assert [float(t) for t in strategy.experimental_local_results(out)] == [8.0] * 4
+
+
+def test_a_new_python_value_that_fn_reads_traces_again():
+  """def_function_test.py testFunctionRelaxationLosesInnerDimWithKeywordArgument's
+  rule for Python values: a changed closure value is a new signature."""
+  strategy = xd.MirroredStrategy()
+  scale = 1.0
+
+  def fn(x):
+    return x * scale
+
+  x = torch.ones(4)
+  outs = []
+  for s in (1.0, 1.0, 1.0, 3.0, 3.0):
+    scale = s
+    out = strategy.run(fn, (x,))
+    outs.append([float(t[0]) for t in strategy.experimental_local_results(out)])
+  assert outs == [[1.0] * 4] * 3 + [[3.0] * 4] * 2
+  reasons = [why for _, why in strategy.extended._engine._replayer.reasons]
+  assert any("scale" in why for why in reasons), reasons
+
+
+def test_run_steps_is_one_execution_and_equals_separate_steps():
+  """`experimental_run_steps(k)`: k steps, one program, the results of k runs."""
+  grouped = xd.MirroredStrategy()
+  separate = xd.MirroredStrategy()
+
+  def setup(strategy):
+    torch.manual_seed(3)
+    with strategy.scope():
+      model = torch.nn.Linear(5, 2)
+      opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(4)
+    data = torch.utils.data.TensorDataset(
+      torch.randn(96, 5, generator=g), torch.randn(96, 2, generator=g)
+    )
+    it = iter(
+      strategy.experimental_distribute_dataset(torch.utils.data.DataLoader(data, batch_size=8))
+    )
+
+    def step(xb, yb):
+      opt.zero_grad()
+      loss = F.mse_loss(model(xb), yb)
+      loss.backward()
+      opt.step()
+      return loss
+
+    return model, it, step
+
+  model_g, it_g, step_g = setup(grouped)
+  model_s, it_s, step_s = setup(separate)
+  for _ in range(4):  # warm-up: traces, capture, first groups compiled
+    grouped.extended.experimental_run_steps(step_g, it_g, 1)
+  grouped.extended.experimental_run_steps(step_g, it_g, 4)
+  runtime.wait()
+  executions = runtime.execute_count()
+  losses_g = grouped.extended.experimental_run_steps(step_g, it_g, 4)
+  runtime.wait()
+  assert runtime.execute_count() - executions == 1
+  assert len(losses_g) == 4
+  for _ in range(12):
+    last = separate.run(step_s, args=next(it_s))
+  torch.testing.assert_close(
+    separate.reduce("mean", last, axis=None).cpu(),
+    grouped.reduce("mean", losses_g[-1], axis=None).cpu(),
+    atol=1e-6,
+    rtol=1e-6,
+  )
+  for a, b in zip(model_g.parameters(), model_s.parameters()):
+    torch.testing.assert_close(a.detach().cpu(), b.detach().cpu(), atol=1e-6, rtol=1e-6)
