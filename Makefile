@@ -75,8 +75,10 @@ $(JAX_STAMP): pyproject.toml Makefile
 	@rm -f $(XLADIST_JAX_VENV)/.xladist-*
 	@touch $@
 
-test-jax: venv-jax
-	XLADIST_BACKEND=jax JAX_PLATFORMS=cpu $(JAX_PY) -m pytest -q tests/runtime_jax tests/shared
+# XLADIST_XLA_PYTHON: the torch_xla environment, for checkpoints read across runtimes.
+test-jax: venv venv-jax
+	XLADIST_BACKEND=jax JAX_PLATFORMS=cpu XLADIST_XLA_PYTHON=$(PY) \
+	  $(JAX_PY) -m pytest -q tests/runtime_jax tests/shared
 
 # Style (ruff, settings in pyproject.toml) and the one-way layers of the package
 # (import-linter's contracts in pyproject.toml).

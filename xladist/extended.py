@@ -294,22 +294,32 @@ class StrategyExtended(abc.ABC):
       "experimental_run_steps",
       "Call it from the training loop, outside strategy.run.",
     )
-    outputs = []
+    args_list = []
+    for _ in range(steps):
+      try:
+        element = next(iterator)
+      except StopIteration:
+        break
+      args_list.append(tuple(element) if isinstance(element, (tuple, list)) else (element,))
+    if not args_list:
+      return []
+    outputs = [self._strategy_ref.run(fn, args=args_list[0])]
+    rest = args_list[1:]
+    engine = getattr(self, "_engine", None)
+    # After a replayed step, the others replay as one program (the jax runtime).
+    many = engine.replay_steps(fn, rest) if (rest and engine is not None) else None
+    if many is not None:
+      outputs.extend(many)
+    elif rest:
 
-    def run_steps():
-      for _ in range(steps):
-        try:
-          element = next(iterator)
-        except StopIteration:
-          break
-        args = tuple(element) if isinstance(element, (tuple, list)) else (element,)
-        outputs.append(self._strategy_ref.run(fn, args=args))
+      def run_rest():
+        outputs.extend(self._strategy_ref.run(fn, args=args) for args in rest)
 
-    if steps > 1 and self._current_device().type == _runtime.DEVICE_KIND:
-      # One trace for the k steps (torch_xla: lazily, cut below; jax: one jaxpr).
-      _runtime.traced_step(run_steps)
-    else:
-      run_steps()
+      if self._current_device().type == _runtime.DEVICE_KIND:
+        # One trace for the steps (torch_xla: lazily, cut below; jax: one jaxpr).
+        _runtime.traced_step(run_rest)
+      else:
+        run_rest()
     if self._current_device().type == _runtime.DEVICE_KIND:
       _runtime.sync()
     return outputs

@@ -115,8 +115,10 @@ def test_a_new_python_value_that_fn_reads_traces_again():
   assert any("scale" in why for why in reasons), reasons
 
 
-def test_run_steps_is_one_execution_and_equals_separate_steps():
-  """`experimental_run_steps(k)`: k steps, one program, the results of k runs."""
+def test_run_steps_replays_the_group_as_one_program_and_equals_separate_steps():
+  """`experimental_run_steps(k)`: once its first step is replayed, the other
+  k - 1 steps are ONE program (a scan of the step's program); the results are
+  those of k runs."""
   grouped = xd.MirroredStrategy()
   separate = xd.MirroredStrategy()
 
@@ -151,8 +153,10 @@ def test_run_steps_is_one_execution_and_equals_separate_steps():
   executions = runtime.execute_count()
   losses_g = grouped.extended.experimental_run_steps(step_g, it_g, 4)
   runtime.wait()
-  assert runtime.execute_count() - executions == 1
+  assert runtime.execute_count() - executions == 2  # the first step, then the other 3
   assert len(losses_g) == 4
+  rep = grouped.extended._engine._replayer
+  assert rep.replays >= 4 + 3
   for _ in range(12):
     last = separate.run(step_s, args=next(it_s))
   torch.testing.assert_close(

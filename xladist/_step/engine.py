@@ -123,6 +123,13 @@ class StepEngine:
       made.release(keep, fn)
     return attempt.finish(out)
 
+  def replay_steps(self, fn, args_list):
+    """experimental_run_steps' steps after a replayed one, as one replayed
+    program (`Replayer.replay_steps`): their results, or None."""
+    if self._replayer is None or self._ext._store._pending:
+      return None
+    return self._replayer.replay_steps(fn, args_list)
+
   def trace(self, fn, args, kwargs, region, made):
     """Phases (a) to (c) of a traced step: enter the region, trace `fn` once
     for all replicas, leave the region."""

@@ -480,6 +480,7 @@ class Replayer:
     self._fresh = {}  # id(code) -> how many steps in a row had a new key
     self._watch_step = None  # the compile watch's step whose signature was used
     self.replays = self.traces = self.captures = 0
+    self.last_replayed = None  # (entry, fn, spec, argument entries) of a replayed step
     self.steps = 0
     self.reasons = collections.deque(maxlen=100)
 
@@ -489,6 +490,7 @@ class Replayer:
     (None, attempt): trace the step with `attempt.args` / `attempt.kwargs`, then
     call `attempt.finish(result)` (or `attempt.abandon()` if the trace failed)."""
     self.steps += 1
+    self.last_replayed = None
     seed = seeds.STEP_SEEDS.start_step()
     if self._gap is not None:
       return None, self._plain(self._gap, seed)
@@ -544,6 +546,7 @@ class Replayer:
       out = self._replay(entry, leaves, seed)
       if not isinstance(out, _Traced):
         entry.since_verify += 1
+        self.last_replayed = (entry, fn, spec, [_arg_entry(x) for x in leaves])
         return out, None
       why = out.why
     elif why is not None:
@@ -555,6 +558,38 @@ class Replayer:
     else:
       why = "second trace of this signature: captured and compared with the first"
     return None, self._capture(fn, entry, leaves, spec, why, seed)
+
+  def replay_steps(self, fn, args_list):
+    """The k steps after a replayed one in `experimental_run_steps`, replayed
+    as ONE program (the runtime's scan of the step's program), when the step
+    before was replayed for the same `fn` and every step's arguments have its
+    arguments' shapes, dtypes and placements (between the steps of a group
+    no user code runs but the iterator). Returns the steps' results, or None
+    (then they run one by one)."""
+    last = self.last_replayed
+    if last is None or _runtime.REPLAY_KIND != "program" or not args_list:
+      return None
+    entry, last_fn, spec, entries = last
+    if fn is not last_fn or not entry.promoted:
+      return None
+    leaves_list = []
+    for args in args_list:
+      leaves, new_spec = flatten((tuple(args), {}))
+      if new_spec != spec or [_arg_entry(x) for x in leaves] != entries:
+        return None
+      leaves_list.append(leaves)
+    prog = entry.program
+    plan, fixed, carried, stacked = _steps_plan(prog, leaves_list, self._n)
+    if plan is None:
+      return None
+    program, consts = prog.runtime_program
+    self.steps += len(args_list)
+    seed = seeds.STEP_SEEDS.start_step()
+    final, ys = _runtime.run_program_steps(program, consts, plan, fixed, carried, stacked)
+    self.replays += len(args_list)
+    entry.since_verify += len(args_list)
+    seeds.STEP_SEEDS.after_replay(seed, prog.draws)
+    return _write_back_steps(prog, plan, final, ys, len(args_list), self._n)
 
   def _signature(self, fn, args, kwargs, watch):
     """The step's signature: the one the compile watch took at the start of this
@@ -677,6 +712,94 @@ class Replayer:
     self.replays += 1
     seeds.STEP_SEEDS.after_replay(seed, prog.draws)
     return _write_back(prog, results, n)
+
+
+def _steps_plan(prog, leaves_list, n):
+  """How a scan of k replays of `prog` gets its inputs (see
+  runtime.run_program_steps), or (None, ...) when some input cannot be planned."""
+  slots = prog.slots
+  carry_slot = {}  # result index -> slot index it writes
+  for j, target in enumerate(prog.targets):
+    if target[0] == SLOT:
+      carry_slot[j] = target[1]
+  for target, j in prog.aliases:
+    if target[0] == SLOT:
+      carry_slot.setdefault(j, target[1])
+  written = set(carry_slot.values())
+  inputs_plan, fixed, stacked = [], [], []
+  for source in prog.sources:
+    kind = source[0]
+    if kind == SLOT and source[1] in written:
+      inputs_plan.append(("carry", source[1]))
+    elif kind == SLOT:
+      value = slots[source[1]].get()
+      if value is None:
+        return None, None, None, None
+      inputs_plan.append(("fixed", len(fixed)))
+      fixed.append(value._elem)
+    elif kind == ARG:
+      try:
+        rows = [_arg_global(leaves[source[1]], n)._elem for leaves in leaves_list]
+      except _NotCapturable:
+        return None, None, None, None
+      inputs_plan.append(("arg", len(stacked)))
+      stacked.append(_runtime.stack_steps(rows))
+    else:
+      inputs_plan.append(("fixed", len(fixed)))
+      fixed.append(source[1])
+  carried = {}
+  for slot in sorted(written):
+    value = slots[slot].get(settle=False)
+    if value is None:
+      return None, None, None, None
+    carried[slot] = value._elem
+  returned = tuple(j for j, t in enumerate(prog.targets) if t[0] == RET) + tuple(
+    j for t, j in prog.aliases if t[0] == RET
+  )
+  plan = (tuple(inputs_plan), tuple(sorted(carry_slot.items())), tuple(dict.fromkeys(returned)))
+  return plan, fixed, [carried[s] for s in sorted(written)], stacked
+
+
+def _write_back_steps(prog, plan, final, ys, k, n):
+  """Puts the k steps' outputs where k replays would have left them."""
+  slots = prog.slots
+  _, carries, returned = plan
+  for slot, value in zip(sorted({c for _, c in carries}), final, strict=True):
+    slots[slot].set(value)
+  for i in prog.cleared:
+    slots[i].tensor.grad = None
+  for t in prog.restamp:
+    copies_of(t).restamp(t)
+  ret_of = {}
+  for j, target in enumerate(prog.targets):
+    if target[0] == RET:
+      ret_of.setdefault(target[1], j)
+  for target, j in prog.aliases:
+    if target[0] == RET:
+      ret_of.setdefault(target[1], j)
+  results = []
+  for t in range(k):
+    leaves = []
+    for index, kind in enumerate(prog.ret_leaves):
+      if kind in ("stacked", "tensor"):
+        value = ys[ret_of[index]][t]  # the runtime cut them per step
+        leaves.append(PerReplica._from_stacked(value, n) if kind == "stacked" else value)
+      else:
+        leaves.append(kind[1])
+    results.append(unflatten(prog.ret_spec, leaves))
+  return results
+
+
+def _arg_entry(leaf):
+  """What `replay_steps` compares of an argument: a tensor's (or a
+  PerReplica's) shape, dtype and placement, a Python value itself, else the type."""
+  if isinstance(leaf, PerReplica) and leaf._stacked is not None:
+    leaf = leaf._stacked
+  if isinstance(leaf, torch.Tensor):
+    return (tuple(leaf.shape), leaf.dtype, _runtime.sharding_spec(leaf))
+  if isinstance(leaf, _PLAIN):
+    return ("value", leaf)
+  return ("object", type(leaf))
 
 
 def _arg_global(leaf, n):

@@ -129,6 +129,8 @@ INTERFACE = (
   "REPLAY_KIND",
   "last_program",
   "in_traced_step",
+  "run_program_steps",
+  "stack_steps",
   "require",
   "run_program",
   # torch_xla's device detection and compile-cache rules (tests read them)

@@ -844,6 +844,145 @@ def last_program():
   return program, consts, args, results
 
 
+def stack_steps(arrays):
+  """The k steps' values of one argument stacked on a new leading axis, placed
+  like them (a replica-split value stays split on its replica axis)."""
+  split = not arrays[0].sharding.is_fully_replicated
+  return _stacker(split)(*arrays)
+
+
+@functools.cache
+def _stacker(split):
+  jax = _rt().jax
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  spec = PartitionSpec(None, REPLICA_AXIS) if split else PartitionSpec()
+  return jax.jit(lambda *xs: jax.numpy.stack(xs), out_shardings=NamedSharding(mesh(), spec))
+
+
+def run_program_steps(program, consts, plan, fixed, carried, stacked):
+  """Runs a step's program k times as ONE program (a `lax.scan` over the steps),
+  for the k replayed steps of `experimental_run_steps`.
+
+  `plan` says where each input of the step comes from: ("fixed", j) the same
+  array every step (`fixed[j]`), ("carry", c) the previous step's result that
+  carries slot c (`carried[c]` at the first step), ("arg", j) step t's row of
+  `stacked[j]` (the k steps' arguments stacked on a leading axis); and which
+  results carry which slot (`carries`: result index -> c) and which are
+  returned per step (`returned`: result indices). Returns (the carried values
+  after the last step, {result index: the k steps' values stacked}).
+  """
+  inputs_plan, carries, returned = plan
+  jax = _rt().jax
+  env = _rt().env
+  key = (
+    id(program),
+    plan,
+    tuple(a.shape for a in stacked),
+    tuple(a.sharding.is_fully_replicated for a in (*fixed, *stacked)),
+  )
+  fn = _steps_programs.get(key)
+  if fn is None:
+    fn = _steps_program(program, plan, fixed, stacked)
+    _steps_programs[key] = (program, fn)
+  else:
+    fn = fn[1]
+  final, ys, key_out = fn(consts[0], consts[1], env.param.prng, fixed, carried, stacked)
+  _counts["execute"] += 1
+  env.param.prng = key_out
+  _last_outputs[:] = [key_out]
+  del jax
+  per_step = _unstacker(len(ys), tuple(out_split_of(program, r) for r in returned))(ys)
+  return [_wrap(c) for c in final], {
+    r: [_wrap(v) for v in values] for r, values in zip(returned, per_step, strict=True)
+  }
+
+
+def out_split_of(program, r):
+  return program.out_split[r]
+
+
+@functools.cache
+def _unstacker(n, splits):
+  """One program that cuts each of `n` stacked results into its steps' values."""
+  jax = _rt().jax
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  def cut(ys):
+    return [list(y) for y in ys]
+
+  shardings = [
+    NamedSharding(mesh(), PartitionSpec(REPLICA_AXIS) if split else PartitionSpec())
+    for split in splits
+  ]
+  del n
+
+  def run(ys):
+    out = jax.jit(cut)(ys)
+    return [[jax.device_put(v, shardings[i]) for v in vals] for i, vals in enumerate(out)]
+
+  return run
+
+
+_steps_programs = {}
+
+
+def _steps_program(program, plan, fixed, stacked):
+  jax = _rt().jax
+  from jax.sharding import PartitionSpec as P
+
+  inputs_plan, carries, returned = plan
+  body = _unpacking_body(program.jaxpr, program.layout)
+  out_split = program.out_split
+  carry_slots = sorted({c for _, c in carries})
+  carry_of = dict(carries)
+
+  def steps(arrays, vectors, key, fixed, carried, stacked):
+    def one(state, xs):
+      values, key = state
+      inputs = []
+      for kind, j in inputs_plan:
+        if kind == "fixed":
+          inputs.append(fixed[j])
+        elif kind == "carry":
+          inputs.append(values[carry_slots.index(j)])
+        else:
+          inputs.append(xs[j])
+      outs = body(arrays, vectors, key, *inputs)
+      new = list(values)
+      for r, c in carry_of.items():
+        new[carry_slots.index(c)] = outs[r]
+      return (new, outs[-1]), [outs[r] for r in returned]
+
+    (final, key), ys = jax.lax.scan(one, (list(carried), key), list(stacked))
+    return final, ys, key
+
+  def spec(split, lead=False):
+    if split:
+      return P(None, REPLICA_AXIS) if lead else P(REPLICA_AXIS)
+    return P()
+
+  arg_split = [not a.sharding.is_fully_replicated for a in stacked]
+  carry_split = [out_split[next(r for r, c in carries if c == slot)] for slot in carry_slots]
+  in_specs = (
+    P(),
+    P(),
+    P(),
+    [spec(not a.sharding.is_fully_replicated) for a in fixed],
+    [spec(x) for x in carry_split],
+    [spec(x, lead=True) for x in arg_split],
+  )
+  out_specs = (
+    [spec(x) for x in carry_split],
+    [spec(out_split[r], lead=True) for r in returned],
+    P(),
+  )
+  mapped = jax.shard_map(
+    steps, mesh=mesh(), in_specs=in_specs, out_specs=out_specs, check_vma=False
+  )
+  return jax.jit(mapped)
+
+
 def run_program(program, consts, inputs):
   """Runs a step's program again on `inputs` (arrays in the order of its trace's
   inputs); returns its results as tensors, and moves the random key on.
@@ -862,7 +1001,8 @@ def run_program(program, consts, inputs):
     _last_outputs[:] = [outs[-1]]
     _run_sync_callbacks()
     return [_wrap(o) for o in outs[:-1]]
-  local = [to_local(_wrap(array))._elem for array in inputs]
+  tracer = rt.jax.core.Tracer
+  local = [a if isinstance(a, tracer) else _local_input(st, a) for a in inputs]
   arrays = [_local_input(st, a) for a in consts[0]]
   vectors = [_local_input(st, v) for v in consts[1]]
   outs = program.local()(arrays, vectors, env.param.prng, *local)
@@ -927,6 +1067,67 @@ def _lift_float_literals(jaxpr, consts):
   return jaxpr, list(consts) + values
 
 
+_programs_by_structure = {}
+
+
+class _Same:
+  """A sub-program compared by identity (kept alive: its id is never reused)."""
+
+  __slots__ = ("obj",)
+
+  def __init__(self, obj):
+    self.obj = obj
+
+  def __eq__(self, other):
+    return isinstance(other, _Same) and other.obj is self.obj
+
+  def __hash__(self):
+    return id(self.obj)
+
+
+def _param_key(value):
+  from jax._src import core
+
+  if isinstance(value, (core.Jaxpr, core.ClosedJaxpr)):
+    return _Same(value)
+  if isinstance(value, (tuple, list)):
+    return tuple(_param_key(v) for v in value)
+  try:
+    hash(value)
+  except TypeError:
+    return ("repr", repr(value))
+  return value
+
+
+def _structure(jaxpr):
+  """A key of a jaxpr that is cheap to build (the text of a group of k steps
+  costs tens of ms): its equations' primitives, operands, result types and
+  parameters, sub-programs by identity. Equal structures are equal programs;
+  a program seen under another structure (a sub-program traced anew) is found
+  by its text (`_program_for`)."""
+  from jax._src import core
+
+  ids = {}
+
+  def atom(a):
+    if isinstance(a, core.Literal):
+      return ("literal", repr(a.val), a.aval)
+    return ids.setdefault(a, len(ids))
+
+  parts = [tuple(v.aval for v in jaxpr.constvars), tuple(v.aval for v in jaxpr.invars)]
+  for v in (*jaxpr.constvars, *jaxpr.invars):
+    atom(v)
+  for eqn in jaxpr.eqns:
+    params = tuple(sorted((k, _param_key(v)) for k, v in eqn.params.items()))
+    operands = tuple(atom(a) for a in eqn.invars)
+    results = tuple(v.aval for v in eqn.outvars)
+    for v in eqn.outvars:
+      atom(v)
+    parts.append((eqn.primitive, operands, results, params))
+  parts.append(tuple(atom(a) for a in jaxpr.outvars))
+  return tuple(parts)
+
+
 def _program_for(jaxpr, st, layout):
   """The compiled program of a traced step (one per distinct jaxpr and placement)."""
   jax = _rt().jax
@@ -934,9 +1135,14 @@ def _program_for(jaxpr, st, layout):
 
   in_split = tuple(split for _, split in st.inputs)
   out_split = tuple(split for _, _, split in st.outputs)
+  shape = (_structure(jaxpr), in_split, out_split, layout)
+  program = _programs_by_structure.get(shape)
+  if program is not None:
+    return program
   key = (str(jaxpr), in_split, out_split, layout)
   program = _programs.get(key)
   if program is not None:
+    _programs_by_structure[shape] = program
     return program
   closed = jaxpr
   body = _unpacking_body(closed, layout)
@@ -945,6 +1151,7 @@ def _program_for(jaxpr, st, layout):
   mapped = jax.shard_map(body, mesh=mesh(), in_specs=in_specs, out_specs=out_specs, check_vma=False)
   program = _Program(jax.jit(mapped), key, closed, in_split, out_split, layout)
   _programs[key] = program
+  _programs_by_structure[shape] = program
   return program
 
 

@@ -797,6 +797,16 @@ def require(api):
   del api
 
 
+def run_program_steps(program, consts, plan, fixed, carried, stacked):
+  """The jax runtime's (replay.py: REPLAY_KIND)."""
+  raise RuntimeError("xladist: run_program_steps is the jax runtime's (replay.py: REPLAY_KIND)")
+
+
+def stack_steps(arrays):
+  """The jax runtime's (replay.py: REPLAY_KIND)."""
+  raise RuntimeError("xladist: stack_steps is the jax runtime's (replay.py: REPLAY_KIND)")
+
+
 def in_traced_step():
   """torch_xla records steps lazily: no step has a trace of its own to be inside."""
   return False
