@@ -1062,51 +1062,21 @@ class _Attempt:
       return _program_of_runtime(self, result)
     rep = self._replayer
     x = _xla()
-    store = rep._store
-    slots = self._slots
-    known = {s.ident() for s in slots}
-    slots = list(slots)
-    uids = list(self._uids)
-    for s in _slots(store):
-      if s.ident() not in known:
-        if s.kind != GRAD:  # a gradient made by the step is an output like any other
-          raise _NotCapturable("the step created state (optimizer state or variables)")
-        slots.append(s)
-        uids.append(None)
-    host = _host_change(store, self._host, _host_state(store))
-    if host is not None:
-      raise _NotCapturable(host, permanent=True)
+    slots, uids = _new_state_slots(self)
     # Outputs: the returned tensors, then the slots the step wrote.
-    ret_leaves_in, ret_spec = flatten(result)
+    ret_spec, returned = _returned(result)
     outs, targets, ret_leaves = [], [], []
-    for j, leaf in enumerate(ret_leaves_in):
-      if isinstance(leaf, PerReplica) and leaf._stacked is not None:
-        outs.append(leaf._stacked)
-        targets.append((RET, j))
-        ret_leaves.append("stacked")
-      elif isinstance(leaf, torch.Tensor) and _runtime.is_device_tensor(leaf):
-        outs.append(leaf)
-        targets.append((RET, j))
-        ret_leaves.append("tensor")
-      elif isinstance(leaf, _PLAIN):
-        ret_leaves.append(("py", leaf))
+    for j, kind, value in returned:
+      if kind == "py":
+        ret_leaves.append(("py", value))
       else:
-        raise _NotCapturable(
-          f"fn returns a {type(leaf).__name__} (a host value or an object made by "
-          "the step: only XLA tensors and plain Python values are replayed)",
-          permanent=True,
-        )
-    cleared = []
-    for i, s in enumerate(slots):
-      value = s.get(settle=False)
-      if value is None:
-        if s.kind == GRAD:
-          cleared.append(i)
-          continue
-        raise _NotCapturable("a state slot lost its value")
-      if _runtime.ir_id(value) != uids[i]:
         outs.append(value)
-        targets.append((SLOT, i))
+        targets.append((RET, j))
+        ret_leaves.append(kind)
+    cleared, written = _written_slots(slots, uids)
+    for i, value in written:
+      outs.append(value)
+      targets.append((SLOT, i))
     # Only tensors with a pending computation are program outputs, each once.
     need = x._check_tensor_need_materialization(outs) if outs else []
     kept, kept_targets, aliases, first = [], [], [], {}
@@ -1133,17 +1103,7 @@ class _Attempt:
           raise _NotCapturable("the step's random-number seed is not the one it started from")
         sources.append((SEED,))
         continue
-      h = x._get_tensors_handle([v])[0]
-      if h in self._ambiguous:
-        raise _NotCapturable(
-          "an argument shares its device buffer with a variable or another argument"
-        )
-      source = self._by_handle.get(h)
-      if source is None:
-        sources.append((CONST, v))
-        consts.append((h, v))
-      else:
-        sources.append(source)
+      sources.append(_source(self, x._get_tensors_handle([v])[0], v, consts))
     draws = 0
     if sum(1 for s in sources if s[0] == SEED) > 1:
       raise _NotCapturable("the program has several random-number seeds")
@@ -1156,44 +1116,107 @@ class _Attempt:
       compiles = _runtime.compile_count()
       x._xla_warm_up_cache(kept, [])
       _replay_compiled(rep._extended, _runtime.compile_count() - compiles)
-    prog = _Program()
-    prog.hash = graph_hash
-    prog.slots = slots
-    prog.sources = sources
-    prog.targets = kept_targets
-    prog.aliases = aliases
-    prog.cleared = cleared
-    prog.ret_spec = ret_spec
-    prog.ret_leaves = ret_leaves
+    prog = _program_record(
+      graph_hash, slots, sources, kept_targets, aliases, cleared, ret_spec, ret_leaves, consts
+    )
     prog.draws = draws
-    prog.consts = consts
-    prog.restamp = [s.tensor for s in slots if s.kind == COPIES]
-    prog.n_outputs = len(kept)
     return prog, values
 
 
 def _new_state_slots(attempt):
-  """The attempt's slots, with the gradients the step made; refuses other new state."""
+  """The attempt's slots, with the gradients the step made; refuses other new
+  state, and a step that changed optimizer state outside the device."""
+  store = attempt._replayer._store
   known = {s.ident() for s in attempt._slots}
   slots, uids = list(attempt._slots), list(attempt._uids)
-  for s in _slots(attempt._replayer._store):
+  for s in _slots(store):
     if s.ident() not in known:
       if s.kind != GRAD:  # a gradient made by the step is an output like any other
         raise _NotCapturable("the step created state (optimizer state or variables)")
       slots.append(s)
       uids.append(None)
+  host = _host_change(store, attempt._host, _host_state(store))
+  if host is not None:
+    raise _NotCapturable(host, permanent=True)
   return slots, uids
+
+
+def _source(attempt, handle, value, consts):
+  """Where a program input comes from: a slot or an argument (recognised by its
+  device buffer's `handle`), else a constant (recorded in `consts`)."""
+  if handle in attempt._ambiguous:
+    raise _NotCapturable("an argument shares its device buffer with a variable or another argument")
+  source = attempt._by_handle.get(handle)
+  if source is not None:
+    return source
+  consts.append((handle, value))
+  return (CONST, value)
+
+
+def _program_record(key, slots, sources, targets, aliases, cleared, ret_spec, ret_leaves, consts):
+  """A `_Program` of a capture (`draws` 0 until the caller counts them)."""
+  prog = _Program()
+  prog.hash = key
+  prog.slots = slots
+  prog.sources = sources
+  prog.targets = targets
+  prog.aliases = aliases
+  prog.cleared = cleared
+  prog.ret_spec = ret_spec
+  prog.ret_leaves = ret_leaves
+  prog.draws = 0
+  prog.consts = consts
+  prog.restamp = [s.tensor for s in slots if s.kind == COPIES]
+  prog.n_outputs = len(targets)
+  return prog
+
+
+def _returned(result):
+  """What fn returned, leaf by leaf: (index, "stacked" | "tensor" | "py", the
+  PerReplica's stacked tensor, the tensor or the Python value), with the nest's spec.
+
+  Raises:
+    _NotCapturable: a leaf that is neither a device tensor nor a plain value.
+  """
+  leaves, spec = flatten(result)
+  out = []
+  for j, leaf in enumerate(leaves):
+    if isinstance(leaf, PerReplica) and leaf._stacked is not None:
+      out.append((j, "stacked", leaf._stacked))
+    elif isinstance(leaf, torch.Tensor) and _runtime.is_device_tensor(leaf):
+      out.append((j, "tensor", leaf))
+    elif isinstance(leaf, _PLAIN):
+      out.append((j, "py", leaf))
+    else:
+      raise _NotCapturable(
+        f"fn returns a {type(leaf).__name__} (a host value or an object made by "
+        "the step: only device tensors and plain Python values are replayed)",
+        permanent=True,
+      )
+  return spec, out
+
+
+def _written_slots(slots, uids):
+  """(the gradient slots the step cleared, [(slot index, new value)] of the slots
+  it wrote)."""
+  cleared, written = [], []
+  for i, s in enumerate(slots):
+    value = s.get(settle=False)
+    if value is None:
+      if s.kind == GRAD:
+        cleared.append(i)
+        continue
+      raise _NotCapturable("a state slot lost its value")
+    if _runtime.ir_id(value) != uids[i]:
+      written.append((i, value))
+  return cleared, written
 
 
 def _program_of_runtime(attempt, result):
   """The jax runtime's capture: the step's program as the runtime ran it, its
   inputs mapped to slots and arguments by array identity, its results to the
   slots the step wrote and to what fn returned."""
-  store = attempt._replayer._store
   slots, uids = _new_state_slots(attempt)
-  host = _host_change(store, attempt._host, _host_state(store))
-  if host is not None:
-    raise _NotCapturable(host, permanent=True)
   program, consts, inputs, results = _runtime.last_program()
   index = {id(r): j for j, r in enumerate(results)}
   targets = [(DROP,)] * len(results)
@@ -1209,60 +1232,22 @@ def _program_of_runtime(attempt, result):
       aliases.append((target, j))
     return True
 
-  ret_leaves_in, ret_spec = flatten(result)
+  ret_spec, returned = _returned(result)
   ret_leaves = []
-  for j, leaf in enumerate(ret_leaves_in):
-    if isinstance(leaf, PerReplica) and leaf._stacked is not None:
-      ok, kind = target_of(leaf._stacked, (RET, j)), "stacked"
-    elif isinstance(leaf, torch.Tensor) and _runtime.is_device_tensor(leaf):
-      ok, kind = target_of(leaf, (RET, j)), "tensor"
-    elif isinstance(leaf, _PLAIN):
-      ret_leaves.append(("py", leaf))
-      continue
-    else:
-      raise _NotCapturable(
-        f"fn returns a {type(leaf).__name__} (a host value or an object made by "
-        "the step: only device tensors and plain Python values are replayed)",
-        permanent=True,
-      )
-    if not ok:
+  for j, kind, value in returned:
+    if kind != "py" and not target_of(value, (RET, j)):
       raise _NotCapturable("a returned tensor is not computed by the step")
-    ret_leaves.append(kind)
-  cleared = []
-  for i, s in enumerate(slots):
-    value = s.get(settle=False)
-    if value is None:
-      if s.kind == GRAD:
-        cleared.append(i)
-        continue
-      raise _NotCapturable("a state slot lost its value")
-    if _runtime.ir_id(value) != uids[i] and not target_of(value, (SLOT, i)):
+    ret_leaves.append(("py", value) if kind == "py" else kind)
+  cleared, written = _written_slots(slots, uids)
+  for i, value in written:
+    if not target_of(value, (SLOT, i)):
       raise _NotCapturable("a state slot was given a value the step did not compute")
-  sources, consts_seen = [], [(id(c), c) for part in consts for c in part]
-  for array in inputs:
-    a = id(array)
-    if a in attempt._ambiguous:
-      raise _NotCapturable(
-        "an argument shares its device array with a variable or another argument"
-      )
-    source = attempt._by_handle.get(a)
-    if source is None:
-      sources.append((CONST, array))
-      consts_seen.append((a, array))
-    else:
-      sources.append(source)
-  prog = _Program()
-  prog.hash = program.text_key
-  prog.slots = slots
-  prog.sources = sources
-  prog.targets = targets
-  prog.aliases = aliases
-  prog.cleared = cleared
-  prog.ret_spec = ret_spec
-  prog.ret_leaves = ret_leaves
-  prog.draws = 0
+  consts_seen = [(id(c), c) for part in consts for c in part]
+  sources = [_source(attempt, id(array), array, consts_seen) for array in inputs]
+  prog = _program_record(
+    program.text_key, slots, sources, targets, aliases, cleared, ret_spec, ret_leaves, []
+  )
   prog.consts = [(a, _ConstView(c)) for a, c in consts_seen]
-  prog.restamp = [s.tensor for s in slots if s.kind == COPIES]
   prog.n_outputs = len(results)
   prog.runtime_program = (program, consts)
   return prog, None

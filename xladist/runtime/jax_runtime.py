@@ -892,36 +892,25 @@ def run_program_steps(program, consts, plan, fixed, carried, stacked):
   env.param.prng = key_out
   _last_outputs[:] = [key_out]
   del jax
-  per_step = _unstacker(len(ys), tuple(out_split_of(program, r) for r in returned))(ys)
+  k = stacked[0].shape[0] if stacked else (ys[0].shape[0] if ys else 0)
+  per_step = _unstacker(k, tuple(program.out_split[r] for r in returned))(ys) if ys else []
   return [_wrap(c) for c in final], {
     r: [_wrap(v) for v in values] for r, values in zip(returned, per_step, strict=True)
   }
 
 
-def out_split_of(program, r):
-  return program.out_split[r]
-
-
 @functools.cache
-def _unstacker(n, splits):
-  """One program that cuts each of `n` stacked results into its steps' values."""
+def _unstacker(k, splits):
+  """One program that cuts each stacked result into its k steps' values, each
+  placed like one step's result (split over the replicas or replicated)."""
   jax = _rt().jax
   from jax.sharding import NamedSharding, PartitionSpec
 
-  def cut(ys):
-    return [list(y) for y in ys]
-
   shardings = [
-    NamedSharding(mesh(), PartitionSpec(REPLICA_AXIS) if split else PartitionSpec())
+    [NamedSharding(mesh(), PartitionSpec(REPLICA_AXIS) if split else PartitionSpec())] * k
     for split in splits
   ]
-  del n
-
-  def run(ys):
-    out = jax.jit(cut)(ys)
-    return [[jax.device_put(v, shardings[i]) for v in vals] for i, vals in enumerate(out)]
-
-  return run
+  return jax.jit(lambda ys: [list(y) for y in ys], out_shardings=shardings)
 
 
 _steps_programs = {}
