@@ -280,6 +280,11 @@ class StrategyExtended(abc.ABC):
     execution. The results equal k separate steps. Fewer steps run when the
     iterator ends first (that shorter program compiles once too).
 
+    With replay (on by default on the jax runtime): the first step runs as any
+    step; when it was replayed, the other k - 1 are replayed as one program (a
+    scan of the step's program, `Replayer.replay_steps`), so a call is two
+    executions. On torch_xla replayed steps still run one execution each.
+
     Returns:
       The list of what each step returned (in step order).
 

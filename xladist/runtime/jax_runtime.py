@@ -388,7 +388,6 @@ def global_from_local_shards(shards, sharding, full_shape):
 def to_host(tensors):
   """CPU copies of device tensors (global values are gathered from every process)."""
   torch = _torch()
-  jax = _rt().jax
   out = []
   for t in tensors:
     elem = t._elem
@@ -401,7 +400,6 @@ def to_host(tensors):
       out.append(torch.from_numpy(array.astype(np.float32)).to(torch.bfloat16))
     else:
       out.append(torch.from_numpy(np.array(array)))
-  del jax
   return out
 
 
@@ -870,10 +868,9 @@ def run_program_steps(program, consts, plan, fixed, carried, stacked):
   `stacked[j]` (the k steps' arguments stacked on a leading axis); and which
   results carry which slot (`carries`: result index -> c) and which are
   returned per step (`returned`: result indices). Returns (the carried values
-  after the last step, {result index: the k steps' values stacked}).
+  after the last step, {result index: [its value at each of the k steps]}).
   """
-  inputs_plan, carries, returned = plan
-  jax = _rt().jax
+  _, _, returned = plan
   env = _rt().env
   key = (
     id(program),
@@ -891,7 +888,6 @@ def run_program_steps(program, consts, plan, fixed, carried, stacked):
   _counts["execute"] += 1
   env.param.prng = key_out
   _last_outputs[:] = [key_out]
-  del jax
   k = stacked[0].shape[0] if stacked else (ys[0].shape[0] if ys else 0)
   per_step = _unstacker(k, tuple(program.out_split[r] for r in returned))(ys) if ys else []
   return [_wrap(c) for c in final], {
