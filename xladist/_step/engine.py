@@ -64,8 +64,6 @@ class StepEngine:
   def replay_gap(self):
     """Why this strategy's steps are not replayed, or None when they are."""
     ext = self._ext
-    if not _runtime.REPLAYS:
-      return f"the {_runtime.BACKEND} runtime compiles each traced step by its program text"
     if ext._cores_per_replica > 1:
       return "several logical devices per replica (TPUStrategy) are not replayed yet"
     if getattr(ext, "_host_replicas", None) is not None:

@@ -651,24 +651,9 @@ class Replayer:
       return self._replay_program(prog, leaves, seed)
     x = _xla()
     n = self._n
-    slots = prog.slots
-    inputs = []
-    for source in prog.sources:
-      kind = source[0]
-      if kind == SLOT:
-        value = slots[source[1]].get()
-        if value is None:
-          return _Traced("a state slot has no value, or a tensor fn reads by name was replaced")
-      elif kind == ARG:
-        try:
-          value = _arg_global(leaves[source[1]], n)
-        except _NotCapturable as e:
-          return _Traced(str(e))
-      elif kind == CONST:
-        value = source[1]
-      else:
-        value = _seed_tensor(seed)
-      inputs.append(value)
+    inputs = _inputs(prog, leaves, n, seed)
+    if isinstance(inputs, _Traced):
+      return inputs
     try:
       results = x._run_cached_graph(prog.hash, inputs)
     except RuntimeError as e:
@@ -691,22 +676,11 @@ class Replayer:
   def _replay_program(self, prog, leaves, seed):
     """`_replay` on a runtime that runs a step's program itself (jax)."""
     n = self._n
-    slots = prog.slots
-    inputs = []
-    for source in prog.sources:
-      kind = source[0]
-      if kind == SLOT:
-        value = slots[source[1]].get()
-        if value is None:
-          return _Traced("a state slot has no value, or a tensor fn reads by name was replaced")
-        inputs.append(value._elem)
-      elif kind == ARG:
-        try:
-          inputs.append(_arg_global(leaves[source[1]], n)._elem)
-        except _NotCapturable as e:
-          return _Traced(str(e))
-      else:
-        inputs.append(source[1])
+    inputs = _inputs(prog, leaves, n, seed)
+    if isinstance(inputs, _Traced):
+      return inputs
+    # the runtime's arrays (a constant is one already)
+    inputs = [v._elem if isinstance(v, torch.Tensor) else v for v in inputs]
     program, consts = prog.runtime_program
     results = _runtime.run_program(program, consts, inputs)
     self.replays += 1
@@ -800,6 +774,31 @@ def _arg_entry(leaf):
   if isinstance(leaf, _PLAIN):
     return ("value", leaf)
   return ("object", type(leaf))
+
+
+def _inputs(prog, leaves, n, seed):
+  """A replay's inputs, in the program's order (slots' current values, the
+  arguments' global tensors, constants, the seed), or a `_Traced` saying why
+  the step must be traced."""
+  slots = prog.slots
+  inputs = []
+  for source in prog.sources:
+    kind = source[0]
+    if kind == SLOT:
+      value = slots[source[1]].get()
+      if value is None:
+        return _Traced("a state slot has no value, or a tensor fn reads by name was replaced")
+    elif kind == ARG:
+      try:
+        value = _arg_global(leaves[source[1]], n)
+      except _NotCapturable as e:
+        return _Traced(str(e))
+    elif kind == CONST:
+      value = source[1]
+    else:
+      value = _seed_tensor(seed)
+    inputs.append(value)
+  return inputs
 
 
 def _arg_global(leaf, n):

@@ -125,7 +125,6 @@ INTERFACE = (
   "empty_sharded_like",
   "is_sharded",
   "traced_step",
-  "REPLAYS",
   "REPLAY_KIND",
   "last_program",
   "in_traced_step",

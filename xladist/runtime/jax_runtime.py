@@ -52,7 +52,6 @@ CORE_AXIS = "core"
 DEVICE_KIND = "jax"
 DEFAULT_CPU_DEVICES = 4
 COMPILE_CACHE_DEVICE_TYPES = ()
-REPLAYS = True  # a step's program runs again on new inputs (run_program), fn not traced
 REPLAY_KIND = "program"  # replay.py: the runtime hands over the program and its inputs
 
 _lock = threading.RLock()
@@ -321,24 +320,30 @@ def _ml_dtypes():
 def _put(value, sharding):
   """A jax array of `value` (host tensor, torchax tensor) with `sharding`, made
   now even while a step is traced (placement is never part of a step's program)."""
+  if not is_device_tensor(value):
+    return _placed(_host_array(value), sharding)
+  elem = value._elem
+  if isinstance(elem, _rt().jax.core.Tracer):
+    return elem  # made in the step: already part of its program
+  return _placed(elem, sharding)
+
+
+def _placed(x, sharding):
+  """`x` (a jax array or a host array) with `sharding`, made now. With several
+  processes a process's own value goes through the host (each process gives
+  its own devices the value: device_put would compare it across processes, a
+  collective)."""
   jax = _rt().jax
   with jax.ensure_compile_time_eval():
-    if is_device_tensor(value):
-      elem = value._elem
-      if isinstance(elem, jax.core.Tracer):
-        return elem  # made in the step: already part of its program
-      if elem.sharding == sharding:
-        return elem
-      if jax.process_count() == 1 or not elem.is_fully_addressable:
-        return jax.device_put(elem, sharding)
-      # A process's own array (eager work) goes through the host, as a host
-      # tensor does: device_put would compare it across processes (a collective).
-      array = np.array(elem)
-    else:
-      array = _host_array(value)
+    if isinstance(x, jax.Array):
+      if x.sharding == sharding:
+        return x
+      if jax.process_count() == 1 or not x.is_fully_addressable:
+        return jax.device_put(x, sharding)
+      x = np.array(x)
     if jax.process_count() > 1:
-      return jax.make_array_from_callback(array.shape, sharding, lambda idx: array[idx])
-    return jax.device_put(array, sharding)
+      return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+    return jax.device_put(x, sharding)
 
 
 def place_replicated(tensor):
@@ -505,9 +510,8 @@ def next_tensor_id():
 class _StepTrace:
   """What one traced step added to its program: inputs and outputs."""
 
-  def __init__(self, trace, num_replicas):
+  def __init__(self, trace):
     self.trace = trace
-    self.num_replicas = num_replicas
     self.inputs = []  # (global array, split?)
     self.by_array = {}  # id(global array) -> local tracer
     self.outputs = []  # (tensor standing for the output, local tracer, split?)
@@ -787,7 +791,7 @@ def traced_step(body):
     return body()
   n = num_devices()
   trace = _step_trace_class()(None)
-  st = _StepTrace(trace, n)
+  st = _StepTrace(trace)
   env = rt.env
   key_before = env.param.prng
   _tls.step = st
@@ -873,17 +877,14 @@ def run_program_steps(program, consts, plan, fixed, carried, stacked):
   _, _, returned = plan
   env = _rt().env
   key = (
-    id(program),
+    program,  # kept alive by the key: compared by identity
     plan,
     tuple(a.shape for a in stacked),
     tuple(a.sharding.is_fully_replicated for a in (*fixed, *stacked)),
   )
   fn = _steps_programs.get(key)
   if fn is None:
-    fn = _steps_program(program, plan, fixed, stacked)
-    _steps_programs[key] = (program, fn)
-  else:
-    fn = fn[1]
+    fn = _steps_programs[key] = _steps_program(program, plan, fixed, stacked)
   final, ys, key_out = fn(consts[0], consts[1], env.param.prng, fixed, carried, stacked)
   _counts["execute"] += 1
   env.param.prng = key_out
@@ -1006,17 +1007,10 @@ def _on_devices(consts):
   trace: a replayed program reuses them; host values would be sent at every
   run). With several processes each process gives its own devices the value."""
   jax = _rt().jax
-  placed = list(consts)
-  for i, c in enumerate(placed):
-    sharding = replicated_sharding(np.ndim(c))
-    if isinstance(c, jax.Array) and c.sharding == sharding:
-      continue
-    if jax.process_count() > 1:
-      host = np.asarray(c)
-      placed[i] = jax.make_array_from_callback(host.shape, sharding, lambda idx, h=host: h[idx])
-    else:
-      placed[i] = jax.device_put(c, sharding)
-  return placed
+  return [
+    _placed(c if isinstance(c, jax.Array) else np.asarray(c), replicated_sharding(np.ndim(c)))
+    for c in consts
+  ]
 
 
 def _lift_float_literals(jaxpr, consts):

@@ -788,7 +788,6 @@ def sync_count():
   return 0 if value is None else value
 
 
-REPLAYS = True  # torch_xla's cached-graph primitives replay a traced step (_step/replay.py)
 REPLAY_KIND = "graph"  # replay.py reads the traced graph through `native()`
 
 
