@@ -26,13 +26,12 @@ What is compared
     ratio xladist / hand-manual is what xladist's bookkeeping costs on top of
     the route; hand-manual / hand-written is what the route itself costs.
 
-  * replay: xladist with replay (opt-in: RunOptions(experimental_replay=True),
-    docs/architecture.md "Replay"): after its first traces the step's compiled
-    program is run again by `run` without tracing the step function; `run`
-    launches it, so no sync follows (one would only wait for the device). On a
-    MirroredStrategy of its own; the xladist variant above passes
-    RunOptions(experimental_replay=False), so it traces whatever
-    XLADIST_REPLAY says.
+  * replay: xladist's default (replay on, docs/architecture.md "Replay"):
+    after its first traces the step's compiled program is run again by `run`
+    without tracing the step function; `run` launches it, so no sync follows
+    (one would only wait for the device). On a MirroredStrategy of its own; the
+    xladist variant above passes RunOptions(experimental_replay=False): it is
+    the traced step ("replay off").
 
   All of them do the same math (the mean of the per-replica mean losses is the
   global mean loss), so their parameters must agree after the same number of
@@ -499,7 +498,8 @@ def report(results):
         f"{res['warm_s']:.1f} s)"
       )
   print(
-    "\nMain table. wall: median per-step wall time in steady state; host: median "
+    "\nMain table, xladist traced (replay off). wall: median per-step wall time in "
+    "steady state; host: median "
     "host time of an isolated step (device idle at its start) until sync() returns.\n"
   )
   print(
@@ -515,7 +515,7 @@ def report(results):
       f"{ha:.2f} | {hh:.2f} | {ha / hh:.3f} |"
     )
   print(
-    "\nReplay: xladist replaying the step's compiled program (opt-in) against "
+    "\nDefault (replay): xladist replaying the step's compiled program against "
     "the same hand-written step. host: median time until `run` returns for a step "
     "started on an idle device (a replayed step is launched by `run`; no sync "
     "needed); cpu: the calling thread's CPU time over the same span (less sensitive "
@@ -536,6 +536,24 @@ def report(results):
     print(
       f"| {res['name']} | {hr:.2f} | {hh:.2f} | {hr / hh:.3f} | {cr:.2f} | {ch:.2f} "
       f"| {cr / ch:.3f} | {wr:.2f} | {wh:.2f} | {wr / wh:.3f} | {med(a.iso_host):.2f} |"
+    )
+  print(
+    "\nTargets (issue 25) against the hand-written step: default (replay) host <= 0.4x, "
+    "replay off (traced) host <= 1.3x, default wall <= 0.8x."
+  )
+  for res in results:
+    r, h, a = res["recs"]["replay"], res["recs"]["hand-written"], res["recs"]["xladist"]
+    checks = (
+      ("default host", med(r.iso_host) / med(h.iso_host), 0.4),
+      ("replay off host", med(a.iso_host) / med(h.iso_host), 1.3),
+      ("default wall", med(r.wall) / med(h.wall), 0.8),
+    )
+    print(
+      f"{res['name']}: "
+      + "; ".join(
+        f"{what} {ratio:.3f} ({'met' if ratio <= bound else 'NOT met'})"
+        for what, ratio, bound in checks
+      )
     )
   for res in results:
     replays, traces = res["replayed"]

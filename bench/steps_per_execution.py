@@ -18,10 +18,11 @@ rounds, and its ratio to k = 1. No value is read back in the timed loop.
 --plot [PATH] also draws ms per step against k as a PNG (default
 docs/img/steps_per_execution.png; needs matplotlib).
 
---replay runs the same with replay on (XLADIST_REPLAY=1, docs/architecture.md
-"Replay"): after their first traces the steps are not traced again; each step
-of `experimental_run_steps` is then one replayed execution (k executions per
-call, none of them traced), so k changes only the final sync per call.
+With replay (the default, docs/architecture.md "Replay"), after its first
+traces a call replays its first step, then the other k - 1 steps as ONE
+captured program (Replayer.replay_steps): two executions per call for k > 1,
+none of them traced. --no-replay runs the same traced (XLADIST_REPLAY=0): k
+steps traced back to back and cut once, one execution per call.
 """
 
 import argparse
@@ -46,7 +47,10 @@ def main(argv=None):
   parser.add_argument("--batch", type=int, default=16, help="per-replica batch (default 16)")
   parser.add_argument("--width", type=int, default=128, help="MLP width (default 128)")
   parser.add_argument(
-    "--replay", action="store_true", help="replay the steps (XLADIST_REPLAY=1), see above"
+    "--no-replay",
+    dest="replay",
+    action="store_false",
+    help="trace every step (XLADIST_REPLAY=0), see above",
   )
   add_plot_argument(parser)
   args = parser.parse_args(argv)
@@ -109,15 +113,16 @@ def main(argv=None):
   added = _runtime.compile_count() - compiles
   ran = _runtime.execute_count() - executions
   expected = args.rounds * sum(args.steps // k for k in ks)
-  if args.replay:  # one execution per replayed step
-    expected = args.rounds * len(ks) * args.steps
+  if args.replay:  # the replayed first step, then the other k - 1 as one program
+    expected = args.rounds * sum(args.steps // k * (1 if k == 1 else 2) for k in ks)
   replayer = strategy.extended._engine._replayer
 
   print(
     f"{n} replicas, per-replica batch {b}, {args.steps} steps per round, "
     f"{args.rounds} rounds, replay {'on' if args.replay else 'off'}; compilations "
-    f"during the timed rounds: {added}; executions: {ran} (expected {expected}: one "
-    f"per {'step' if args.replay else 'k steps'}); steps replayed in all: "
+    f"during the timed rounds: {added}; executions: {ran} (expected {expected}: "
+    f"{'one for k = 1, two per call for k > 1' if args.replay else 'one per k steps'}); "
+    "steps replayed in all: "
     f"{replayer.replays if replayer is not None else 0}\n"
   )
   print("| k steps per execution | ms per step (median) | ratio to k = 1 |")

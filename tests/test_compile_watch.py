@@ -20,6 +20,15 @@ def explain(monkeypatch):
   monkeypatch.setenv("XLADIST_EXPLAIN_COMPILES", "1")
 
 
+@pytest.fixture(autouse=True)
+def _traced(monkeypatch, request):
+  """These tests count the compilations of traced steps: replay (on by default)
+  is turned off, unless a test asks for it (`replay` in its name). With replay
+  a step's key is compiled once more when it is captured (test_replay.py)."""
+  if "replay" not in request.node.name:
+    monkeypatch.setenv("XLADIST_REPLAY", "0")
+
+
 def _steps(strategy, fn, make_args, count):
   """Runs `count` steps, each cut and executed (as a training loop does)."""
   outs = []
@@ -253,6 +262,30 @@ def test_train_eval_alternation(strategy, explain):
     _steps(strategy, train_step, lambda i: (x,), 3)
     _steps(strategy, eval_step, lambda i: (x,), 2)
   assert strategy.extended.experimental_compile_count == 3
+  assert strategy.extended.experimental_compile_explanations == [
+    "xladist: step 2 (train_step) compiled again (1 XLA compilation): "
+    "optimizer 0 (SGD) state entries changed value: 0 -> 4"
+  ]
+
+
+def test_train_eval_alternation_with_replay(strategy, explain):
+  """The same loop with replay on (the default): each step function's steady
+  program is compiled once more when it is captured for replay (docs/
+  architecture.md, "Replay"), and that compilation is not explained as a
+  recompilation; later rounds are replayed and compile nothing."""
+  train_step, eval_step = _train_eval(strategy, 19)
+  x = _per_replica(strategy, 2, cols=19)
+  counts = []
+  for _ in range(3):
+    _steps(strategy, train_step, lambda i: (x,), 3)
+    _steps(strategy, eval_step, lambda i: (x,), 2)
+    counts.append(strategy.extended.experimental_compile_count)
+  # Round 1: the first and the steady train programs, the steady one's capture
+  # (compiled for replay), the eval program. Round 2: eval's capture (its key
+  # holds the modes found as the step begins, so eval's first step of a round,
+  # which starts in train mode, is captured at its second occurrence).
+  assert counts == [4, 5, 5]
+  assert strategy.extended._engine._replayer.replays == 6  # round 2: 2, round 3: 4
   assert strategy.extended.experimental_compile_explanations == [
     "xladist: step 2 (train_step) compiled again (1 XLA compilation): "
     "optimizer 0 (SGD) state entries changed value: 0 -> 4"

@@ -15,10 +15,17 @@ def _loader(steps, n=4, b=3):
   return DataLoader(TensorDataset(torch.cat(xs), torch.cat(ys)), batch_size=n * b)
 
 
-def test_k_steps_are_one_execution_and_equal_k_single_steps(strategy):
+@pytest.mark.parametrize("replay", [False, True], ids=["traced", "replayed"])
+def test_k_steps_are_one_execution_and_equal_k_single_steps(strategy, monkeypatch, replay):
+  """Traced: each call of 4 steps is one program, one execution. Replayed (the
+  default): once the step's key and the group of the 3 steps after it are
+  captured, a call is two executions (the replayed first step, then the other
+  3 as one program: Replayer.replay_steps) and compiles nothing."""
+  monkeypatch.setenv("XLADIST_REPLAY", "1" if replay else "0")
+  calls = 8 if replay else 4
   state = _models.initial_state("mlp")
-  loader = _loader(steps=16)
-  # Reference: 16 separate steps, one execution each.
+  loader = _loader(steps=4 * calls)
+  # Reference: separate steps, one execution each.
   model, opt = _models.build_xladist(strategy, "mlp", state)
   step = _models.make_step(model, opt)
   single_losses = []
@@ -30,14 +37,23 @@ def test_k_steps_are_one_execution_and_equal_k_single_steps(strategy):
   model, opt = _models.build_xladist(strategy, "mlp", state)
   step = _models.make_step(model, opt)
   it = iter(strategy.experimental_distribute_dataset(loader))
-  outputs = []
-  for _ in range(4):
-    executions = _runtime.execute_count()
+  outputs, executions, compiles = [], [], []
+  for _ in range(calls):
+    e, c = _runtime.execute_count(), _runtime.compile_count()
     outputs += strategy.extended.experimental_run_steps(step, it, 4)
     _runtime.wait()
-    assert _runtime.execute_count() - executions == 1  # one execution for 4 steps
+    executions.append(_runtime.execute_count() - e)
+    compiles.append(_runtime.compile_count() - c)
+  if replay:
+    # Warm-up (calls 1-4): the step's key is captured, then the group's first
+    # trace is analysed and its second captured; from call 5 on it is replayed.
+    assert executions[4:] == [2] * 4
+    assert compiles[4:] == [0] * 4
+    assert strategy.extended._engine._replayer.replays >= 16
+  else:
+    assert executions == [1] * calls  # one execution for 4 steps
   assert strategy.extended.experimental_run_steps(step, it, 4) == []  # the iterator is done
-  assert len(outputs) == 16
+  assert len(outputs) == 4 * calls
   got = {k: v.cpu() for k, v in model.state_dict().items()}
   _models.assert_close_to_scale(got, single, 1e-6)
   losses = torch.stack([strategy.reduce("mean", o, axis=None).cpu() for o in outputs])

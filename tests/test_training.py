@@ -25,7 +25,9 @@ def test_matches_single_device_training_on_global_batch(strategy, kind):
     _models.assert_close_to_scale(final, state, 1e-2)
 
 
-def test_twenty_steps_after_warmup_add_no_compilation(strategy):
+@pytest.mark.parametrize("replay", [True, False], ids=["replayed", "traced"])
+def test_twenty_steps_after_warmup_add_no_compilation(strategy, monkeypatch, replay):
+  monkeypatch.setenv("XLADIST_REPLAY", "1" if replay else "0")
   state = _models.initial_state("mlp")
   xs, ys = _models.make_data("mlp", 4, steps=22)
   counts = {}
@@ -36,8 +38,14 @@ def test_twenty_steps_after_warmup_add_no_compilation(strategy):
 
   _models.train_xladist(strategy, "mlp", state, xs, ys, on_step=on_step)
   assert counts[21][0] - counts[1][0] == 0
-  # One execution per step: the step (with the reduction of its loss) is one program.
-  assert counts[21][1] - counts[1][1] == 20
+  if replay:
+    # The replayed step is one execution; the reduction of its loss (code
+    # outside fn, traced as always) is a second one at the sync.
+    assert counts[21][1] - counts[1][1] == 40
+    assert strategy.extended._engine._replayer.replays >= 19
+  else:
+    # One execution per step: the step (with the reduction of its loss) is one program.
+    assert counts[21][1] - counts[1][1] == 20
 
 
 def _traced_step(strategy, kind="mlp"):

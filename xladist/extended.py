@@ -280,10 +280,11 @@ class StrategyExtended(abc.ABC):
     execution. The results equal k separate steps. Fewer steps run when the
     iterator ends first (that shorter program compiles once too).
 
-    With replay (on by default on the jax runtime): the first step runs as any
-    step; when it was replayed, the other k - 1 are replayed as one program (a
-    scan of the step's program, `Replayer.replay_steps`), so a call is two
-    executions. On torch_xla replayed steps still run one execution each.
+    With replay (on by default): the first step runs as any step; when it was
+    replayed, the other k - 1 are replayed as one program (`Replayer.
+    replay_steps`: on torch_xla the k - 1 steps' own traced program, captured
+    like a step; on jax a scan of the step's program), so a call is two
+    executions and traces nothing.
 
     Returns:
       The list of what each step returned (in step order).
@@ -311,7 +312,7 @@ class StrategyExtended(abc.ABC):
     outputs = [self._strategy_ref.run(fn, args=args_list[0])]
     rest = args_list[1:]
     engine = getattr(self, "_engine", None)
-    # After a replayed step, the others replay as one program (the jax runtime).
+    # After a replayed step, the others replay as one program.
     many = engine.replay_steps(fn, rest) if (rest and engine is not None) else None
     if many is not None:
       outputs.extend(many)

@@ -24,10 +24,10 @@ class RunOptions:
     experimental_bucketizing_dynamic_shape: accepted for compatibility (same).
     experimental_xla_options: accepted for compatibility; XLA flags are set with
       the XLA_FLAGS environment variable before the process starts.
-    experimental_replay: xladist's own, opt-in in this release (default None:
-      the environment variable `XLADIST_REPLAY=1` decides, off when unset).
-      True: once a step's program is known, `run` replays it without tracing
-      `fn` again (docs/architecture.md, "Replay"); False: this step is traced.
+    experimental_replay: xladist's own (default None: on, unless the
+      environment variable `XLADIST_REPLAY=0` turns it off). True: once a
+      step's program is known, `run` replays it without tracing `fn` again
+      (docs/architecture.md, "Replay"); False: this step is traced.
   """
 
   experimental_enable_dynamic_batch_size: bool = True

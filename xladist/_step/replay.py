@@ -1,7 +1,7 @@
 """Replay: `strategy.run` runs a step's compiled program without tracing `fn` again.
 
-Opt-in in this release: `XLADIST_REPLAY=1`, or `RunOptions(experimental_replay=
-True)` for one run (False turns it off for one run whatever the variable says).
+On by default; `XLADIST_REPLAY=0` turns it off, `RunOptions(experimental_replay=
+False)` for one run (True turns it on for one run whatever the variable says).
 
 Tracing a step (running `fn`'s Python on lazy tensors, entering and leaving the
 manual region, hashing the graph) costs the host far more than launching the
@@ -56,7 +56,14 @@ Never replayed (traced as before, and said why with `XLADIST_REPLAY_DEBUG=1`):
 * strategies that work around the trace (CentralStorageStrategy), TPUStrategy
   with several logical devices per replica, several hosts (OneDeviceStrategy
   and the default strategy call `fn` directly and do not replay);
-* replay off (`XLADIST_REPLAY` unset or 0, `RunOptions(experimental_replay=False)`).
+* replay off (`XLADIST_REPLAY=0`, `RunOptions(experimental_replay=False)`).
+
+`experimental_run_steps(k)`: once its first step is replayed, the other k - 1
+steps run as ONE program (`Replayer.replay_steps`): on torch_xla a *group*,
+the k - 1 steps traced back to back (their random ops one seed chain) and
+captured under the step's key like a step of their own (first trace analysed,
+second captured, then replayed); on jax a scan of the step's program. A call
+is then two executions and traces nothing.
 
 The contract: `fn`'s Python runs only when the step is traced (as with
 `tf.function` and `jax.jit`): Python side effects (printing, appending to a
@@ -115,16 +122,12 @@ PLACED = _Placed()
 
 def enabled(options):
   """Whether replay is on for a run: `RunOptions(experimental_replay=...)` when
-  given, else `XLADIST_REPLAY` (1 / 0), else the runtime's default: on for jax
-  (whose traced step costs far more than its program's launch), off on torch_xla
-  in this release (opt-in; see docs/architecture.md, "Replay")."""
+  given, else `XLADIST_REPLAY` (0 / off turns it off), else on (the default on
+  both runtimes; see docs/architecture.md, "Replay")."""
   choice = getattr(options, "experimental_replay", None) if options is not None else None
   if choice is not None:
     return bool(choice)
-  text = os.environ.get("XLADIST_REPLAY", "").strip().lower()
-  if not text:
-    return _runtime.REPLAY_KIND == "program"
-  return text not in _OFF
+  return os.environ.get("XLADIST_REPLAY", "").strip().lower() not in _OFF
 
 
 def verify_every():
@@ -402,6 +405,7 @@ class _Program:
     "restamp",
     "n_outputs",
     "runtime_program",
+    "starts",
   )
 
   def fingerprint(self):
@@ -448,7 +452,7 @@ def _differs(old, new):
 
 
 class _Entry:
-  __slots__ = ("program", "promoted", "since_verify", "refused", "failures")
+  __slots__ = ("program", "promoted", "since_verify", "refused", "failures", "groups")
 
   def __init__(self):
     self.program = None
@@ -456,6 +460,7 @@ class _Entry:
     self.since_verify = 0
     self.refused = None  # why this key is never replayed, or None
     self.failures = 0  # captures refused so far (twice: never again)
+    self.groups = {}  # k -> _Entry of k steps after this key's step as one program (torch_xla)
 
 
 # -- the replayer -------------------------------------------------------------------------------
@@ -481,6 +486,7 @@ class Replayer:
     self._watch_step = None  # the compile watch's step whose signature was used
     self.replays = self.traces = self.captures = 0
     self.last_replayed = None  # (entry, fn, spec, argument entries) of a replayed step
+    self._in_group = False  # tracing the steps of a group (`_group_steps`)
     self.steps = 0
     self.reasons = collections.deque(maxlen=100)
 
@@ -492,6 +498,8 @@ class Replayer:
     self.steps += 1
     self.last_replayed = None
     seed = seeds.STEP_SEEDS.start_step()
+    if self._in_group:
+      return None, self._plain("one of experimental_run_steps' steps traced as one program", seed)
     if self._gap is not None:
       return None, self._plain(self._gap, seed)
     if options is PLACED:
@@ -560,14 +568,15 @@ class Replayer:
     return None, self._capture(fn, entry, leaves, spec, why, seed)
 
   def replay_steps(self, fn, args_list):
-    """The k steps after a replayed one in `experimental_run_steps`, replayed
-    as ONE program (the runtime's scan of the step's program), when the step
-    before was replayed for the same `fn` and every step's arguments have its
-    arguments' shapes, dtypes and placements (between the steps of a group
-    no user code runs but the iterator). Returns the steps' results, or None
-    (then they run one by one)."""
+    """The k steps after a replayed one in `experimental_run_steps`, as ONE
+    program, when the step before was replayed for the same `fn` and every
+    step's arguments have its arguments' shapes, dtypes and placements (between
+    the steps of a group no user code runs but the iterator). On jax: the
+    runtime's scan of the step's program. On torch_xla: the k steps traced as
+    one graph, captured and replayed like a step of their own (`_group_steps`).
+    Returns the steps' results, or None (then they are traced as one program)."""
     last = self.last_replayed
-    if last is None or _runtime.REPLAY_KIND != "program" or not args_list:
+    if last is None or not args_list:
       return None
     entry, last_fn, spec, entries = last
     if fn is not last_fn or not entry.promoted:
@@ -578,6 +587,8 @@ class Replayer:
       if new_spec != spec or [_arg_entry(x) for x in leaves] != entries:
         return None
       leaves_list.append(leaves)
+    if _runtime.REPLAY_KIND != "program":
+      return self._group_steps(entry, fn, args_list)
     prog = entry.program
     plan, fixed, carried, stacked = _steps_plan(prog, leaves_list, self._n)
     if plan is None:
@@ -590,6 +601,62 @@ class Replayer:
     entry.since_verify += len(args_list)
     seeds.STEP_SEEDS.after_replay(seed, prog.draws)
     return _write_back_steps(prog, plan, final, ys, len(args_list), self._n)
+
+  def _group_steps(self, entry, fn, args_list):
+    """torch_xla: the k steps as one program. The group has an entry of its own
+    under the step's (the same rules: its first trace analysed, the second
+    captured, replayed once two captures agree); it is traced as k
+    `strategy.run` calls in a row (not captured one by one, their random ops
+    one seed chain), and its program's inputs are the slots and the k steps'
+    arguments."""
+    k = len(args_list)
+    group = entry.groups.get(k)
+    if group is None:
+      group = entry.groups[k] = _Entry()
+    if group.refused is not None:
+      return None
+    args_list = [tuple(args) for args in args_list]
+    leaves, spec = flatten((tuple(args_list), {}))
+    seed = seeds.STEP_SEEDS.start_step()
+    if group.promoted:
+      out = self._replay(group, leaves, seed, steps=k)
+      if not isinstance(out, _Traced):
+        self.steps += k
+        entry.since_verify += k
+        prog = group.program
+        starts = [seeds.run_n(seed, d) for d in prog.starts]
+        seeds.STEP_SEEDS.settle_chain(starts, seeds.run_n(seed, prog.draws))
+        return out
+      why = out.why
+    elif group.program is None:
+      why = f"first trace of {k} steps as one program"
+    else:
+      why = f"second trace of {k} steps as one program: captured and compared with the first"
+    self._note(why)
+    attempt = _Attempt(self, fn, group, leaves, spec, None, seed, dry=group.program is None)
+    if attempt.args is not None:
+      args_list = attempt.args
+    strategy = self._extended._strategy_ref
+    self._in_group = True
+    try:
+      with seeds.STEP_SEEDS.chained() as starts:
+        outs = [strategy.run(fn, args=args) for args in args_list]
+    except BaseException:
+      attempt.abandon()
+      raise
+    finally:
+      self._in_group = False
+    program = group.program
+    outs = attempt.finish(outs)
+    if group.program is not program:  # analysed or captured now: where its steps' seeds start
+      offsets = tuple(seeds.draws_between(seed, s) for s in starts)
+      if None in offsets:
+        group.program, group.promoted = None, False
+        group.refused = "its random-number seeds could not be followed"
+      else:
+        group.program.starts = offsets
+    seeds.STEP_SEEDS.settle_chain(starts, seeds.STEP_SEEDS.left)
+    return outs
 
   def _signature(self, fn, args, kwargs, watch):
     """The step's signature: the one the compile watch took at the start of this
@@ -645,7 +712,7 @@ class Replayer:
     return _Attempt(self, fn, entry, leaves, spec, verify, seed, dry)
 
   # -- replaying ---------------------------------------------------------------------------------
-  def _replay(self, entry, leaves, seed):
+  def _replay(self, entry, leaves, seed, steps=1):
     prog = entry.program
     if _runtime.REPLAY_KIND == "program":
       return self._replay_program(prog, leaves, seed)
@@ -669,7 +736,7 @@ class Replayer:
         )
       _runtime.sync([t for t, p in zip(inputs, pending) if p])
       results = x._run_cached_graph(prog.hash, inputs)
-    self.replays += 1
+    self.replays += steps
     seeds.STEP_SEEDS.after_replay(seed, prog.draws)
     return _write_back(prog, results, n)
 
@@ -1029,6 +1096,7 @@ class _Attempt:
       entry.promoted = True
       return
     entry.promoted = False
+    entry.groups = {}  # captured from the step's old program
     if self._verify is None:
       self._record(f"captured {what} than the last trace: the next trace confirms it")
     else:
@@ -1167,6 +1235,7 @@ def _program_record(key, slots, sources, targets, aliases, cleared, ret_spec, re
   prog.consts = consts
   prog.restamp = [s.tensor for s in slots if s.kind == COPIES]
   prog.n_outputs = len(targets)
+  prog.starts = ()  # a group's steps: draws before each step's first seed
   return prog
 
 

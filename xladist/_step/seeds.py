@@ -37,6 +37,8 @@ every replica): `torch.randperm`, `torch.multinomial`, `F.rrelu`, draws with an
 explicit `generator=`.
 """
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -69,7 +71,7 @@ def follow_torch_seed(reseed=True):
       _runtime.set_running_seed(seed % (2**63))
 
 
-def _run_n(seed, n):
+def run_n(seed, n):
   for _ in range(n):
     seed = (_RUN_ADD + _RUN_MUL * seed) & _MASK
   return seed
@@ -112,9 +114,42 @@ class _Seeds:
     self.base = None  # the base seed, as far as xladist knows
     self.left = None  # the running seed xladist last left torch_xla with
     self.virtual = None  # the running seed after a replay with random ops, or None
+    self.chain = None  # inside `chained()`: the seeds its steps started from
+
+  @contextlib.contextmanager
+  def chained(self):
+    """Steps traced as one program (experimental_run_steps' groups): each step's
+    random ops go on from the running seed as traced, without making it a new
+    base (the same numbers; one seed input for the whole program). Yields the
+    list of the seeds the steps start from; `settle_chain` then leaves the base
+    where steps traced one after the other would have."""
+    self.chain = starts = []
+    try:
+      yield starts
+    finally:
+      self.chain = None
+
+  def settle_chain(self, starts, end):
+    """After k steps traced (or replayed) as one chained program, from `starts`
+    (each step's first seed) to `end`: the base seed is the one k separate
+    steps would have left (each made its start seed the base when random ops
+    had moved the running seed), which the next sync moves on from; the next
+    step starts from `end`."""
+    base = self.base
+    for seed in starts:
+      if seed != base:
+        base = seed
+    if base != self.base:
+      _runtime.set_running_seed(base)
+      self.base = self.left = base
+      self.virtual = None if end == base else end
 
   def start_step(self):
     """The seed the step's random ops start from (see the class docstring)."""
+    if self.chain is not None:
+      seed = _runtime.running_seed()
+      self.chain.append(seed)
+      return seed
     marks = _runtime.sync_count()
     running = _runtime.running_seed()
     if marks != self.marks or running != self.left:
@@ -134,7 +169,7 @@ class _Seeds:
 
   def after_replay(self, seed, draws):
     if draws:
-      self.virtual = _run_n(seed, draws)
+      self.virtual = run_n(seed, draws)
 
 
 STEP_SEEDS = _Seeds()  # the process's one seed rule for steps (traced or replayed)

@@ -606,7 +606,13 @@ def execute_count():
 
 
 def hlo_text(tensors):
-  """The (pre-partitioning) HLO of the pending graph that computes `tensors`."""
+  """The (pre-partitioning) HLO of the pending graph that computes `tensors`.
+
+  Waits for the executions in flight first: torch_xla 2.9 reads the device
+  buffers of the graph's inputs, and one still being computed (the output of
+  a replayed step, launched asynchronously) crashes the process (SIGSEGV).
+  """
+  wait()
   return _xlac()._get_xla_tensors_hlo(list(tensors))
 
 
