@@ -170,7 +170,9 @@ class Strategy(StrategyLegacy):
     extended = self._extended
     # Not from merge_fn (run there re-enters the step being traced).
     if not extended._in_region() and extended._current_device().type == _runtime.DEVICE_KIND:
-      extended._compile_watch.before_step(fn, args, kwargs, extended._store)
+      extended._compile_watch.before_step(
+        fn, args, kwargs, extended._store, lazy_state=getattr(extended, "_engine", None) is not None
+      )
     with self.scope():
       return extended._call_for_each_replica(fn, args, kwargs, options)
 

@@ -93,6 +93,7 @@ class CompileWatch:
     # step, compiled yet, state); _replay.py reads the signature
     self._last = None
     self._by_fn = {}
+    self._state_of = None  # what `take_state` needs, while a step's state is not taken
 
   def count(self):
     """Compilations so far, including those since the last step started."""
@@ -146,8 +147,12 @@ class CompileWatch:
     _runtime.at_next_sync(at_sync)
     self._queued = True
 
-  def before_step(self, fn, args, kwargs, store):
-    """Called at the start of `strategy.run`."""
+  def before_step(self, fn, args, kwargs, store, lazy_state=False):
+    """Called at the start of `strategy.run`. `lazy_state`: the step may be
+    replayed (it runs on the step engine); what its tensors hold as it begins
+    is then looked at only if it is traced (`take_state`, called by the engine
+    before the trace); a replayed step keeps its fn's last state (a replayed
+    program runs on computed values only)."""
     if self._last is not None:
       self._settle()
       _, _, before, compiled, _ = self._last
@@ -158,12 +163,33 @@ class CompileWatch:
     unsynced = self._queued  # no torch_xla.sync() since the last step began
     self._mark_next_sync()
     self.steps += 1
-    sig, state = signatures.take_with_state(fn, args, kwargs, store, synced=not unsynced)
+    if lazy_state:
+      sig, state = signatures.take(fn, args, kwargs, store), {}
+      self._state_of = (fn, args, kwargs, store, not unsynced)
+    else:
+      sig, state = signatures.take_with_state(fn, args, kwargs, store, synced=not unsynced)
+      self._state_of = None
     key = sig["fn"]
     before = self._by_fn.get(key)
+    if lazy_state and before is not None:
+      state.update((k, v) for k, v in before[1].items() if k not in sig)
     self._last = (self.steps, sig, before, False, state)
     # [step number, signature and state, whether a step of this fn compiled]
     self._by_fn[key] = [self.steps, {**sig, **state}, before is not None and before[2]]
+
+  def take_state(self):
+    """The state of a step whose signature was taken lazily (`before_step`):
+    the step is traced after all."""
+    args = self._state_of
+    if args is None:
+      return
+    self._state_of = None
+    fn, fn_args, kwargs, store, synced = args
+    _, state = signatures.take_with_state(fn, fn_args, kwargs, store, synced=synced)
+    number, sig, before, compiled, old = self._last
+    old.clear()
+    old.update(state)
+    self._by_fn[sig["fn"]][1] = {**sig, **state}
 
   def _explain(self, number, sig, before, at_sync, after, synced):
     name = sig["fn"][1].rsplit(".", 1)[-1]

@@ -144,9 +144,65 @@ _SETS_MODES = "fn calls .train() or .eval()"
 def _modes(name, module, out):
   """train()/eval() of a module `fn` reaches by name and of its submodules
   (dropout and batch norm trace differently in each)."""
-  for sub, m in module.named_modules():
-    label = f"{name}.{sub}" if sub else name
-    out[f"{label} ({type(m).__name__}) training"] = ("value", m.training)
+  key = (name, id(module), _STRUCTURE[0])
+  listed = _MODES.get(key)
+  if listed is None or listed[0] is not module:
+    labels = [
+      (f"{f'{name}.{sub}' if sub else name} ({type(m).__name__}) training", m)
+      for sub, m in module.named_modules()
+    ]
+    listed = _MODES[key] = (module, labels)
+    if len(_MODES) > 256:
+      del _MODES[next(iter(_MODES))]
+  for label, m in listed[1]:
+    out[label] = ("value", m.training)
+
+
+# The module trees' labels, found once per structure: torch's global hooks on
+# module, parameter and buffer registration (every `module.x = ...` of a Module,
+# Parameter or buffer, `register_*`, `load_state_dict(assign=True)`) bump
+# _STRUCTURE, which keys the cached layouts below (a signature's labels are
+# formatted once, not at every step).
+_STRUCTURE = [0]
+_MODES = {}  # (name, id(module), structure) -> (module, [(label, submodule)])
+_LAYOUTS = weakref.WeakKeyDictionary()  # store -> (key, layout): see _layout
+
+
+def _structure_changed(*args):
+  _STRUCTURE[0] += 1
+
+
+def _watch_structure():
+  from torch.nn.modules import module as torch_module
+
+  torch_module.register_module_module_registration_hook(_structure_changed)
+  torch_module.register_module_parameter_registration_hook(_structure_changed)
+  torch_module.register_module_buffer_registration_hook(_structure_changed)
+
+
+_watch_structure()
+
+
+def _layout(store):
+  """The store's modules with their labels: [(module, label, [(label.name,
+  kind dict, name)] of its parameters and buffers, {attribute: label.name})],
+  rebuilt when a module is tracked or dropped or any module tree changes."""
+  modules = list(store.modules())
+  key = (_STRUCTURE[0], tuple(map(id, modules)))
+  cached = _LAYOUTS.get(store)
+  if cached is not None and cached[0] == key:
+    return cached[1]
+  layout = []
+  for i, module in enumerate(modules):
+    label = f"{type(module).__name__}#{i}"
+    tensors = [
+      (f"{label}.{name}", kind, name)
+      for kind in (module._parameters, module._buffers)
+      for name in kind
+    ]
+    layout.append((module, label, tensors, {}))  # {}: labels of its plain attributes
+  _LAYOUTS[store] = (key, layout)
+  return layout
 
 
 _MISSING = object()
@@ -257,37 +313,40 @@ def _take_entries(fn, args, kwargs, store, state, synced):
     for path, leaf in zip(paths, leaves):
       out[_path(prefix, path)] = _leaf_entry(leaf)
       _tensors(leaf, arg_tensors)
-  for i, module in enumerate(store.modules()):
-    label = f"{type(module).__name__}#{i}"
-    for kind in (module._parameters, module._buffers):
-      for name, t in kind.items():
-        if t is None:
-          out[f"{label}.{name}"] = ("value", None)
-          continue
-        grad = t.grad
-        out[f"{label}.{name}"] = (  # _tensor_entry(t) and two more fields, in one tuple
-          "tensor",
-          tuple(t.shape),
-          t.dtype,
-          _sharding(t),
-          t.requires_grad,
-          None if grad is None else (tuple(grad.shape), grad.dtype),
+  sharding = _runtime.sharding_spec
+  for module, label, tensors, attrs in _layout(store):
+    for where, kind, name in tensors:
+      t = kind.get(name)
+      if t is None:
+        out[where] = ("value", None)
+        continue
+      grad = t.grad
+      out[where] = (  # _tensor_entry(t) and two more fields, in one tuple
+        "tensor",
+        tuple(t.shape),
+        t.dtype,
+        sharding(t),
+        t.requires_grad,
+        None if grad is None else (tuple(grad.shape), grad.dtype),
+      )
+      if state is None:
+        continue
+      variables.append(t)
+      if grad is not None:
+        variables.append(grad)
+      copies = copies_of(t)
+      if copies is not None:
+        components.append(copies.stacked)
+        state[f"{where} written outside strategy.run since its last step"] = (
+          "value",
+          copies.changed(t),
         )
-        if state is None:
-          continue
-        variables.append(t)
-        if grad is not None:
-          variables.append(grad)
-        copies = copies_of(t)
-        if copies is not None:
-          components.append(copies.stacked)
-          state[f"{label}.{name} written outside strategy.run since its last step"] = (
-            "value",
-            copies.changed(t),
-          )
     for name, value in module.__dict__.items():
       if name[:1] != "_" and name != "training" and isinstance(value, _PLAIN):
-        out[f"{label}.{name}"] = ("value", value)
+        where = attrs.get(name)
+        if where is None:
+          where = attrs[name] = f"{label}.{name}"
+        out[where] = ("value", value)
   for opt in store.optimizers():
     optimizers.setdefault(id(opt), opt)
   listed = list(optimizers.values())
