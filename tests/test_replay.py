@@ -812,13 +812,12 @@ def test_run_steps_with_replayed_steps_is_bit_identical(monkeypatch):
   _exact(got_state, want_state)
   # Call 1: steps 1-3 chain lazily (the first traces of their keys, then
   # capture attempts that find the state still pending), 4 is captured. Call 2:
-  # 5 is captured again and confirms it; 6-8 are replayed one by one (the step
-  # before them was not replayed, so they are no group). From call 3 on the
-  # first step is replayed and the other three are a group: analysed (call 3),
-  # captured (call 4), replayed as one program (calls 5 and 6).
-  assert rep.replays == 3 + 1 + 1 + 4 + 4, list(rep.reasons)
-  assert compiles[4:] == [0, 0]
-  assert executions[4:] == [2, 2]
+  # 5 is captured again and confirms it, so 6-8 are a group, analysed. Call 3:
+  # 9 is replayed, the group captured. From call 4 on a call is two replayed
+  # programs: its first step and the group of the other three.
+  assert rep.replays == 0 + 0 + 1 + 4 + 4 + 4, list(rep.reasons)
+  assert compiles[3:] == [0, 0, 0]
+  assert executions[3:] == [2, 2, 2]
 
 
 def test_checkpoint_restore_mid_run_is_seen_by_the_next_replay(monkeypatch, tmp_path):

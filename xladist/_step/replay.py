@@ -634,6 +634,7 @@ class Replayer:
       why = f"second trace of {k} steps as one program: captured and compared with the first"
     self._note(why)
     attempt = _Attempt(self, fn, group, leaves, spec, None, seed, dry=group.program is None)
+    attempt.group = True
     if attempt.args is not None:
       args_list = attempt.args
     strategy = self._extended._strategy_ref
@@ -927,6 +928,7 @@ class _Attempt:
     self._seed0 = seed
     self._dry = dry
     self.args = self.kwargs = None
+    self.group = False  # the attempt of experimental_run_steps' group, not of a step
     self._ready = False
     if entry is not None:
       self._prepare(fn, leaves, spec)
@@ -935,6 +937,7 @@ class _Attempt:
   def _prepare(self, fn, leaves, spec):
     rep = self._replayer
     store = rep._store
+    self._step = (fn, spec, leaves)
     slots = _slots(store) + _free_slots(fn)
     values = [s.get() for s in slots]
     globals_ = []
@@ -1045,15 +1048,17 @@ class _Attempt:
       self._entry.program = prog
       self._entry.promoted = False
       return result
-    if _runtime.REPLAY_KIND == "program":  # the traced step has run already
-      rep.captures += 1
-      self._offer(prog)
-      return result
-    # Run the captured step itself: its inputs are the traced graph's device data.
-    results = _xla()._run_cached_graph(prog.hash, values)
-    result = _write_back(prog, results, rep._n)
+    if _runtime.REPLAY_KIND != "program":
+      # Run the captured step itself: its inputs are the traced graph's device data.
+      results = _xla()._run_cached_graph(prog.hash, values)
+      result = _write_back(prog, results, rep._n)
     rep.captures += 1
     self._offer(prog)
+    if self._entry.promoted and not self.group:
+      # Confirmed (a verification trace, a second capture): the steps after it
+      # in experimental_run_steps may run as its group, as after a replayed step.
+      fn, spec, leaves = self._step
+      rep.last_replayed = (self._entry, fn, spec, [_arg_entry(x) for x in leaves])
     return result
 
   def _cut(self, result):
