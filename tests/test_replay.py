@@ -350,6 +350,50 @@ def test_reading_hlo_right_after_a_replayed_step(strategy):
     assert "ENTRY" in _runtime.hlo_text([out._stacked])
 
 
+def test_one_replayed_execution_in_flight(strategy, monkeypatch):
+  """A replay waits for the execution before it, as torch_xla's sync does for
+  traced programs. Launched back to back, replays queued up on the devices, and
+  on XLA:CPU a queue of programs with all-reduces aborted the whole process
+  (bench/input_pipeline.py, 60 steps an epoch: "Expected 4 threads to join the
+  rendezvous, but only 3 of them arrived"). Checked with torch_xla's count of
+  finished executions at each launch."""
+  with strategy.scope():
+    model = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(3)])
+    opt = _sgd(model.parameters())
+  x = strategy.experimental_distribute_values_from_function(lambda ctx: torch.randn(64, 128))
+
+  def step(x):
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+  for _ in range(4):
+    strategy.run(step, (x,))
+    torch_xla.sync()
+  _runtime.wait()
+  native = _replay._xla()
+  launched = []  # (launches so far, executions finished) at each replay's launch
+
+  class Watching:
+    def __getattr__(self, name):
+      return getattr(native, name)
+
+    def _run_cached_graph(self, graph_hash, inputs):
+      launched.append((len(launched), _runtime.execute_count()))
+      return native._run_cached_graph(graph_hash, inputs)
+
+  monkeypatch.setattr(_replay, "_xla", Watching)
+  start = _runtime.execute_count()
+  for _ in range(12):
+    strategy.run(step, (x,))  # no sync, no wait between the steps
+  _runtime.wait()
+  assert len(launched) == 12
+  assert [finished - start for _, finished in launched] == list(range(12))
+  assert _runtime.execute_count() - start == 12
+
+
 # -- staleness: every change re-traces ---------------------------------------------------------
 
 

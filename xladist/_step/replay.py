@@ -722,6 +722,13 @@ class Replayer:
     inputs = _inputs(prog, leaves, n, seed)
     if isinstance(inputs, _Traced):
       return inputs
+    # One execution in flight, as torch_xla keeps it for traced programs (each
+    # holds the device until it ends). `_run_cached_graph` does not: replays
+    # launched back to back queued up, and on XLA:CPU a queue of programs with
+    # all-reduces aborted the process ("Expected 4 threads to join the
+    # rendezvous, but only 3 of them arrived"). The host work of this step so
+    # far overlapped the previous one.
+    _runtime.wait()
     try:
       results = x._run_cached_graph(prog.hash, inputs)
     except RuntimeError as e:
