@@ -320,15 +320,13 @@ def test_a_replayed_step_compiles_nothing_and_is_one_execution(strategy):
   assert strategy.extended.experimental_compile_count == 3
 
 
-def test_reading_hlo_right_after_a_replayed_step(strategy):
-  """Known failure of the last release: reading the HLO of a graph whose inputs
-  are a replayed step's outputs, while that execution was still in flight,
-  crashed the process (SIGSEGV in torch_xla 2.9). `runtime.hlo_text` waits for
-  the executions in flight first."""
+def _warm_square_step(strategy, width, depth, rows):
+  """(model, step, x): a Linear stack trained on its squared output with SGD,
+  after the traces that make its step replayed."""
   with strategy.scope():
-    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)])
     opt = _sgd(model.parameters())
-  x = strategy.experimental_distribute_values_from_function(lambda ctx: torch.randn(128, 256))
+  x = strategy.experimental_distribute_values_from_function(lambda ctx: torch.randn(rows, width))
 
   def step(x):
     loss = model(x).square().mean()
@@ -340,6 +338,15 @@ def test_reading_hlo_right_after_a_replayed_step(strategy):
   for _ in range(4):
     strategy.run(step, (x,))
     torch_xla.sync()
+  return model, step, x
+
+
+def test_reading_hlo_right_after_a_replayed_step(strategy):
+  """Known failure of the last release: reading the HLO of a graph whose inputs
+  are a replayed step's outputs, while that execution was still in flight,
+  crashed the process (SIGSEGV in torch_xla 2.9). `runtime.hlo_text` waits for
+  the executions in flight first."""
+  model, step, x = _warm_square_step(strategy, width=256, depth=4, rows=128)
   rep = _replayer(strategy)
   for _ in range(3):
     replays = rep.replays
@@ -357,21 +364,7 @@ def test_one_replayed_execution_in_flight(strategy, monkeypatch):
   (bench/input_pipeline.py, 60 steps an epoch: "Expected 4 threads to join the
   rendezvous, but only 3 of them arrived"). Checked with torch_xla's count of
   finished executions at each launch."""
-  with strategy.scope():
-    model = torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(3)])
-    opt = _sgd(model.parameters())
-  x = strategy.experimental_distribute_values_from_function(lambda ctx: torch.randn(64, 128))
-
-  def step(x):
-    loss = model(x).square().mean()
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
-
-  for _ in range(4):
-    strategy.run(step, (x,))
-    torch_xla.sync()
+  _, step, x = _warm_square_step(strategy, width=128, depth=3, rows=64)
   _runtime.wait()
   native = _replay._xla()
   launched = []  # (launches so far, executions finished) at each replay's launch
