@@ -10,6 +10,7 @@ and compares every value with rtol=0, atol=0; the hypothesis test also compares
 with plain PyTorch on the CPU (to 1e-6).
 """
 
+import gc
 import logging
 import os
 import re
@@ -385,6 +386,40 @@ def test_one_replayed_execution_in_flight(strategy, monkeypatch):
   assert len(launched) == 12
   assert [finished - start for _, finished in launched] == list(range(12))
   assert _runtime.execute_count() - start == 12
+
+
+@pytest.mark.parametrize("replay", ["1", "0"], ids=["replayed", "traced"])
+def test_a_dropped_model_leaves_the_strategy(monkeypatch, replay):
+  """A model the user lets go of is freed after its replayed (or traced) steps:
+  nothing xladist keeps between steps (the replayer's last step, the compile
+  watch's pending state, the signature's cached labels) holds its function or
+  its modules, so the strategy's later steps do not enter its variables."""
+  monkeypatch.setenv("XLADIST_REPLAY", replay)
+  strategy = xd.MirroredStrategy()
+
+  def train_and_drop():
+    with strategy.scope():
+      model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+      opt = _sgd(model.parameters())
+    x = strategy.experimental_distribute_values_from_function(lambda ctx: torch.ones(2, 4))
+
+    def step(x):
+      loss = model(x).sum()
+      loss.backward()
+      opt.step()
+      opt.zero_grad()
+      return loss
+
+    for _ in range(5):
+      strategy.run(step, (x,))
+      torch_xla.sync()
+    assert list(strategy.extended._store.modules()) == [model[0]]  # the one with variables
+    if replay == "1":
+      assert _replayer(strategy).replays >= 2
+
+  train_and_drop()
+  gc.collect()
+  assert list(strategy.extended._store.modules()) == []
 
 
 # -- staleness: every change re-traces ---------------------------------------------------------

@@ -177,13 +177,14 @@ class CompileWatch:
     # [step number, signature and state, whether a step of this fn compiled]
     self._by_fn[key] = [self.steps, {**sig, **state}, before is not None and before[2]]
 
-  def take_state(self):
-    """The state of a step whose signature was taken lazily (`before_step`):
-    the step is traced after all."""
+  def take_state(self, traced=True):
+    """The state of a step whose signature was taken lazily (`before_step`),
+    read when the step is traced after all; `traced=False` (it was replayed)
+    only lets go of what reading it needed (fn, its arguments)."""
     args = self._state_of
-    if args is None:
-      return
     self._state_of = None
+    if args is None or not traced:
+      return
     fn, fn_args, kwargs, store, synced = args
     _, state = signatures.take_with_state(fn, fn_args, kwargs, store, synced=synced)
     number, sig, before, compiled, old = self._last

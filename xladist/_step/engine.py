@@ -86,9 +86,10 @@ class StepEngine:
     out, attempt = self._replayer.run(
       fn, args, kwargs, ext._compile_watch, PLACED if placed else options
     )
+    # Traced after all: what its tensors hold, as it begins (replayed: not needed).
+    ext._compile_watch.take_state(traced=attempt is not None)
     if attempt is None:
       return out
-    ext._compile_watch.take_state()  # traced after all: what its tensors hold, as it begins
     if attempt.args is not None:
       args, kwargs = attempt.args, attempt.kwargs
     region = Region(ext._strategy_ref, ext._replica_iota, ext._device_iota, ext._all_reduce_local)

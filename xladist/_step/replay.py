@@ -82,6 +82,7 @@ import logging
 import os
 import types
 import warnings
+import weakref
 
 import numpy as np
 import torch
@@ -485,7 +486,10 @@ class Replayer:
     self._fresh = {}  # id(code) -> how many steps in a row had a new key
     self._watch_step = None  # the compile watch's step whose signature was used
     self.replays = self.traces = self.captures = 0
-    self.last_replayed = None  # (entry, fn, spec, argument entries) of a replayed step
+    # (entry, weak ref to fn, spec, argument entries) of the step just replayed:
+    # weak, so that a replayed step's fn (and the model its closure holds) does
+    # not outlive the user's references to it
+    self.last_replayed = None
     self._in_group = False  # tracing the steps of a group (`_group_steps`)
     self.steps = 0
     self.reasons = collections.deque(maxlen=100)
@@ -554,7 +558,7 @@ class Replayer:
       out = self._replay(entry, leaves, seed)
       if not isinstance(out, _Traced):
         entry.since_verify += 1
-        self.last_replayed = (entry, fn, spec, [_arg_entry(x) for x in leaves])
+        self.last_replayed = (entry, _weak(fn), spec, [_arg_entry(x) for x in leaves])
         return out, None
       why = out.why
     elif why is not None:
@@ -579,7 +583,7 @@ class Replayer:
     if last is None or not args_list:
       return None
     entry, last_fn, spec, entries = last
-    if fn is not last_fn or not entry.promoted:
+    if fn is not last_fn() or not entry.promoted:
       return None
     leaves_list = []
     for args in args_list:
@@ -839,6 +843,15 @@ def _write_back_steps(prog, plan, final, ys, k, n):
   return results
 
 
+def _weak(fn):
+  """A weak reference to `fn` (a callable that returns it), strong only for a
+  callable that takes no weak references (a builtin)."""
+  try:
+    return weakref.ref(fn)
+  except TypeError:
+    return lambda: fn
+
+
 def _arg_entry(leaf):
   """What `replay_steps` compares of an argument: a tensor's (or a
   PerReplica's) shape, dtype and placement, a Python value itself, else the type."""
@@ -1065,7 +1078,7 @@ class _Attempt:
       # Confirmed (a verification trace, a second capture): the steps after it
       # in experimental_run_steps may run as its group, as after a replayed step.
       fn, spec, leaves = self._step
-      rep.last_replayed = (self._entry, fn, spec, [_arg_entry(x) for x in leaves])
+      rep.last_replayed = (self._entry, _weak(fn), spec, [_arg_entry(x) for x in leaves])
     return result
 
   def _cut(self, result):

@@ -144,17 +144,22 @@ _SETS_MODES = "fn calls .train() or .eval()"
 def _modes(name, module, out):
   """train()/eval() of a module `fn` reaches by name and of its submodules
   (dropout and batch norm trace differently in each)."""
-  key = (name, id(module), _STRUCTURE[0])
-  listed = _MODES.get(key)
-  if listed is None or listed[0] is not module:
-    labels = [
-      (f"{f'{name}.{sub}' if sub else name} ({type(m).__name__}) training", m)
+  cached = _MODES.get(module)
+  if cached is None or cached[0] != (name, _STRUCTURE[0]):
+    # The submodules without the module itself: a value that held its key
+    # would keep the module alive in the weak dictionary.
+    subs = [
+      (f"{name}.{sub} ({type(m).__name__}) training", m)
       for sub, m in module.named_modules()
+      if m is not module
     ]
-    listed = _MODES[key] = (module, labels)
-    if len(_MODES) > 256:
-      del _MODES[next(iter(_MODES))]
-  for label, m in listed[1]:
+    cached = _MODES[module] = (
+      (name, _STRUCTURE[0]),
+      f"{name} ({type(module).__name__}) training",
+      subs,
+    )
+  out[cached[1]] = ("value", module.training)
+  for label, m in cached[2]:
     out[label] = ("value", m.training)
 
 
@@ -162,9 +167,10 @@ def _modes(name, module, out):
 # module, parameter and buffer registration (every `module.x = ...` of a Module,
 # Parameter or buffer, `register_*`, `load_state_dict(assign=True)`) bump
 # _STRUCTURE, which keys the cached layouts below (a signature's labels are
-# formatted once, not at every step).
+# formatted once, not at every step). Neither cache holds a user's module or
+# tensor alive: a module dropped by the user leaves the store (its weak refs).
 _STRUCTURE = [0]
-_MODES = {}  # (name, id(module), structure) -> (module, [(label, submodule)])
+_MODES = weakref.WeakKeyDictionary()  # module -> ((name, structure), label, [(label, submodule)])
 _LAYOUTS = weakref.WeakKeyDictionary()  # store -> (key, layout): see _layout
 
 
@@ -184,25 +190,25 @@ _watch_structure()
 
 
 def _layout(store):
-  """The store's modules with their labels: [(module, label, [(label.name,
-  kind dict, name)] of its parameters and buffers, {attribute: label.name})],
-  rebuilt when a module is tracked or dropped or any module tree changes."""
+  """(the store's live modules, their labels: [(label, [(label.name, is a
+  buffer, name)] of its parameters and buffers, {attribute: label.name})]), the
+  labels rebuilt when a module is tracked or dropped or any module tree changes."""
   modules = list(store.modules())
   key = (_STRUCTURE[0], tuple(map(id, modules)))
   cached = _LAYOUTS.get(store)
   if cached is not None and cached[0] == key:
-    return cached[1]
+    return modules, cached[1]
   layout = []
   for i, module in enumerate(modules):
     label = f"{type(module).__name__}#{i}"
     tensors = [
-      (f"{label}.{name}", kind, name)
-      for kind in (module._parameters, module._buffers)
+      (f"{label}.{name}", buffer, name)
+      for buffer, kind in ((False, module._parameters), (True, module._buffers))
       for name in kind
     ]
-    layout.append((module, label, tensors, {}))  # {}: labels of its plain attributes
+    layout.append((label, tensors, {}))  # {}: labels of its plain attributes
   _LAYOUTS[store] = (key, layout)
-  return layout
+  return modules, layout
 
 
 _MISSING = object()
@@ -314,9 +320,11 @@ def _take_entries(fn, args, kwargs, store, state, synced):
       out[_path(prefix, path)] = _leaf_entry(leaf)
       _tensors(leaf, arg_tensors)
   sharding = _runtime.sharding_spec
-  for module, label, tensors, attrs in _layout(store):
-    for where, kind, name in tensors:
-      t = kind.get(name)
+  modules, layout = _layout(store)
+  for module, (label, tensors, attrs) in zip(modules, layout, strict=True):
+    params, buffers = module._parameters, module._buffers
+    for where, buffer, name in tensors:
+      t = (buffers if buffer else params).get(name)
       if t is None:
         out[where] = ("value", None)
         continue
