@@ -17,7 +17,8 @@ TORCH_INDEX_URL ?=
 RUN := $(PY)
 CPU_ENV := PJRT_DEVICE=CPU CPU_NUM_DEVICES=4
 
-.PHONY: venv venv-jax test-jax demo charlm demo-ps bench-ps test lint bench bench-input bench-collectives bench-logical \
+.PHONY: venv venv-jax venv-jax-new test-jax demo charlm demo-ps bench-ps test lint bench bench-input bench-collectives bench-logical \
+	gpu-wheels gpu-check \
 	bench-first-step bench-checkpoint plots clean-venv
 
 venv: $(STAMP)
@@ -58,8 +59,8 @@ test: venv lint
 # The jax runtime (XLADIST_BACKEND=jax) is tested in an environment of its own:
 # torchax cannot share torch_xla's (torch_xla 2.9.0 bundles an old torchax).
 # tests/shared (TF semantics) runs on both runtimes; tests/runtime_jax on jax only.
-# Versions checked: torch 2.9.0, jax 0.10.2, torchax 0.0.13 (the jax runtime does
-# not need torch_xla, nor torch 2.9 itself).
+# Versions: torch 2.9.0, jax 0.10.2, torchax 0.0.13, the oldest supported (the jax
+# runtime does not need torch_xla); venv-jax-new below holds the newest.
 XLADIST_JAX_VENV ?= $(HOME)/.cache/xladist/venv-jax-torch2.9.0-jax0.10.2-torchax0.0.13-py$(PYVER)
 JAX_PY := $(XLADIST_JAX_VENV)/bin/python
 JAX_REQUIREMENTS := "torch==2.9.0" "jax[cpu]==0.10.2" "torchax==0.0.13"
@@ -75,10 +76,37 @@ $(JAX_STAMP): pyproject.toml Makefile
 	@rm -f $(XLADIST_JAX_VENV)/.xladist-*
 	@touch $@
 
+# A second jax environment, the newest versions installable here: Python 3.12,
+# torch 2.14.1 (PyPI's wheel, with its CUDA libraries: several GB, once), jax
+# 0.12.0.1, torchax 0.0.13. XLADIST_JAX_NEW_VENV overrides its location,
+# JAX_NEW_PYTHON the interpreter (default: the first Python 3.12 found).
+JAX_NEW_PYTHON ?= $(firstword $(shell command -v python3.12 >/dev/null 2>&1 && python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null) \
+	$(wildcard /usr/bin/python3.12 /usr/local/bin/python3.12 $(HOME)/.pyenv/versions/3.12*/bin/python3.12))
+XLADIST_JAX_NEW_VENV ?= $(HOME)/.cache/xladist/venv-jax-torch2.14.1-jax0.12.0.1-torchax0.0.13-py3.12
+JAX_NEW_PY := $(XLADIST_JAX_NEW_VENV)/bin/python
+JAX_NEW_REQUIREMENTS := "torch==2.14.1" "jax[cpu]==0.12.0.1" "torchax==0.0.13"
+JAX_NEW_STAMP := $(XLADIST_JAX_NEW_VENV)/.xladist-$(shell (sha1sum pyproject.toml Makefile; echo '$(CURDIR)') | sha1sum | cut -c1-12)
+
+venv-jax-new: $(JAX_NEW_STAMP)
+
+$(JAX_NEW_STAMP): pyproject.toml Makefile
+	@test -x $(JAX_NEW_PY) || test -n "$(JAX_NEW_PYTHON)" || { echo "venv-jax-new needs \
+	  Python 3.12: none found; name one with JAX_NEW_PYTHON=/path/to/python3.12" >&2; exit 1; }
+	@test -x $(JAX_NEW_PY) || $(JAX_NEW_PYTHON) -m venv $(XLADIST_JAX_NEW_VENV)
+	$(JAX_NEW_PY) -m pip install --quiet --upgrade pip
+	$(JAX_NEW_PY) -m pip install --quiet $(JAX_NEW_REQUIREMENTS)
+	$(JAX_NEW_PY) -m pip install --quiet --editable "$(CURDIR)[jax,dev]"
+	@rm -f $(XLADIST_JAX_NEW_VENV)/.xladist-*
+	@touch $@
+
 # XLADIST_XLA_PYTHON: the torch_xla environment, for checkpoints read across runtimes.
-test-jax: venv venv-jax
-	XLADIST_BACKEND=jax JAX_PLATFORMS=cpu XLADIST_XLA_PYTHON=$(PY) \
-	  $(JAX_PY) -m pytest -q tests/runtime_jax tests/shared
+# Both jax environments run the same tests: the oldest and the newest versions
+# supported (jax_compat.py, torchax_load.py).
+JAX_TESTS := tests/runtime_jax tests/shared
+JAX_TEST_ENV := XLADIST_BACKEND=jax JAX_PLATFORMS=cpu XLADIST_XLA_PYTHON=$(PY)
+test-jax: venv venv-jax venv-jax-new
+	$(JAX_TEST_ENV) $(JAX_PY) -m pytest -q $(JAX_TESTS)
+	$(JAX_TEST_ENV) $(JAX_NEW_PY) -m pytest -q $(JAX_TESTS)
 
 # Style (ruff, settings in pyproject.toml) and the one-way layers of the package
 # (import-linter's contracts in pyproject.toml).
@@ -119,3 +147,20 @@ plots: venv
 
 clean-venv:
 	rm -rf $(XLADIST_VENV)
+
+# The GPU check (bench/gpu_check.sh): `make gpu-wheels` here fills .gpu-wheels/ with
+# the wheels a lent GPU machine lacks (it has no network): torchax and pure-Python or
+# cp312 wheels, under the device tool's 64 MiB; then the device tool runs
+# `bash bench/gpu_check.sh` there with carry=[".gpu-wheels"] (`make gpu-check` runs it
+# on a machine of your own with a GPU).
+GPU_WHEELS := torchax==0.0.13 optree cloudpickle tqdm scikit-learn joblib threadpoolctl \
+	pytest pluggy iniconfig packaging hypothesis attrs sortedcontainers typing-extensions
+gpu-wheels:
+	rm -rf .gpu-wheels
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --dest .gpu-wheels \
+	  --python-version 3.12 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux_2_28_x86_64 $(GPU_WHEELS)
+	du -sh .gpu-wheels
+
+gpu-check:
+	bash bench/gpu_check.sh

@@ -246,9 +246,6 @@ def main():
 
   strategy = xd.MirroredStrategy()  # every local XLA device
   clock.runtime_started()
-  # Imported after the strategy exists: xladist chooses PJRT_DEVICE first.
-  import torch_xla
-  import torch_xla.core.xla_model as xm
 
   n = strategy.num_replicas_in_sync
   global_batch = n * args.per_replica_batch
@@ -326,7 +323,7 @@ def main():
 
   def zeros():
     # Accumulators already on the device: every step's graph is the same.
-    return strategy.extended.broadcast_to(torch.zeros(()), "xla:0")
+    return strategy.extended.broadcast_to(torch.zeros(()), strategy.extended.worker_devices[0])
 
   # -- training ---------------------------------------------------------------------
   bar = progress(args.steps, "train", initial=step)
@@ -341,12 +338,11 @@ def main():
       continue
     loss = strategy.reduce("mean", strategy.run(train_step, args=(x, y)), axis=None)
     scheduler.step()
-    window = window + loss
-    torch_xla.sync()
+    window = window + loss  # the next strategy.run ends this step
     step += 1
     window_steps += 1
     if "first_step" not in clock.marks:
-      xm.wait_device_ops()  # the first step has finished on the device
+      loss.item()  # a read: waits until the first step has finished
       clock.first_step_done()
     if step % args.log_every == 0 or step == args.steps:
       bar.set_postfix(loss=f"{window.item() / window_steps:.3f}")
@@ -367,7 +363,6 @@ def main():
     nll, tokens = strategy.run(eval_step, args=(inputs, mask))
     total_nll = total_nll + strategy.reduce("sum", nll, axis=None)
     total_tokens = total_tokens + strategy.reduce("sum", tokens, axis=None)
-    torch_xla.sync()
   tokens = int(total_tokens.item())
   perplexity = math.exp(total_nll.item() / tokens)
   final_loss = loss.item() if loss is not None else None

@@ -154,8 +154,8 @@ def main():
       return x
     return strategy.experimental_split_to_logical_devices(x, [k] + [1] * (x.dim() - 1))
 
-  # The runtime the strategy started (torch_xla, or jax with XLADIST_BACKEND=jax):
-  # its step boundary (sync) and device wait.
+  # The runtime the strategy started (torch_xla, or jax with XLADIST_BACKEND=jax),
+  # for the summary line only: the training loop imports no runtime library.
   from xladist import runtime
 
   n = strategy.num_replicas_in_sync
@@ -214,7 +214,7 @@ def main():
   def zeros():
     # An accumulator already on the device, so that every step's graph (step +
     # reduce + accumulate) is the same and compiles once.
-    return strategy.extended.broadcast_to(torch.zeros(()), runtime.device())
+    return strategy.extended.broadcast_to(torch.zeros(()), strategy.extended.worker_devices[0])
 
   # -- training ---------------------------------------------------------------------
   bar = progress(steps_per_epoch * args.epochs, "train")
@@ -222,10 +222,10 @@ def main():
     epoch_loss = zeros()  # summed on the device, read once per epoch
     for x, y in train_dist:  # a new epoch: the DataLoader reshuffles
       per_replica_loss = strategy.run(train_step, args=(x, y))
+      # The next strategy.run ends this step (step, reduce and sum: one program).
       epoch_loss = epoch_loss + strategy.reduce("mean", per_replica_loss, axis=None)
-      runtime.sync()
       if "first_step" not in clock.marks:
-        runtime.wait()  # the first step has finished on the device
+        epoch_loss.item()  # a read: waits until the first step has finished
         clock.first_step_done()
         if args.first_step_only:
           bar.close()
@@ -241,7 +241,6 @@ def main():
     correct, count = strategy.run(eval_step, args=(inputs, mask))
     correct_total = correct_total + strategy.reduce("sum", correct, axis=None)
     count_total = count_total + strategy.reduce("sum", count, axis=None)
-    runtime.sync()
   correct_total, count_total = int(correct_total.item()), int(count_total.item())
   if count_total != len(test_data):
     sys.exit(f"error: evaluated {count_total} examples, expected {len(test_data)}")

@@ -11,6 +11,8 @@ plain PyTorch on the CPU trained on the global batch, and MirroredStrategy.
 """
 
 import gc
+import sys
+from pathlib import Path
 
 import _models
 import pytest
@@ -20,6 +22,9 @@ import torch_xla
 
 import xladist as xd
 import xladist.checkpoint as xc
+
+sys.path.insert(0, str(Path(__file__).parent / "shared"))
+import test_model_parts as parts  # noqa: E402  (the model-part cases, tests/shared)
 
 N = 4
 
@@ -362,3 +367,12 @@ def test_a_read_after_optimizer_step_in_the_same_step_is_refused(central):
   out = central.run(forward, args=(_models.split(central, x),))
   got = torch.cat([o.cpu() for o in central.experimental_local_results(out)])
   torch.testing.assert_close(got, ref(x).detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_tied_weights_are_one_variable_on_central_storage():
+  """A tensor shared by two modules is moved to the devices and back once per step
+  (it was swapped twice: its gradient reached a host tensor)."""
+  model = parts.assert_trains_like_one_device(
+    xd.experimental.CentralStorageStrategy(), parts._TiedLM, parts._tokens, classes=20
+  )
+  assert model.head.weight is model.emb.weight

@@ -15,6 +15,7 @@ functions run: they are rescheduled and join completes; a ps task killed:
 join raises an error naming it).
 """
 
+import copy
 import functools
 import itertools
 import json
@@ -571,6 +572,150 @@ def test_reads_on_the_chief_after_join_give_the_ps_values(cluster, tmp_path):
   assert model.w.abs().sum() > 0
   torch.testing.assert_close(model.w.detach(), strategy.extended.read_var(model.w), rtol=0, atol=0)
   torch.testing.assert_close(model.b.detach(), strategy.extended.read_var(model.b), rtol=0, atol=0)
+
+
+# -- TF semantics found missing by porting TF's tests (issue 34) ----------------------
+
+
+def test_a_read_on_the_chief_after_fetch_gives_the_ps_value(cluster):
+  """cluster_coordinator_test.py testInputFunction (v.read_value() after
+  fetch(), no join()): a ps variable a fetched function changed reads as the
+  ps task's current value on the chief, and so do the parameters of a model
+  an optimizer step in a fetched function changed. Before, the chief read the
+  values of the last join() until the next one (0.0 here)."""
+  strategy, coordinator = cluster.strategy, cluster.coordinator
+  with strategy.scope():
+    v = xd.Variable(0.0)
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+  w0 = model.weight.detach().clone()
+  b0 = model.bias.detach().clone()
+
+  def add():
+    v.assign_add(0.8)
+    return v.value * 1.0
+
+  assert float(coordinator.schedule(add).fetch()) == pytest.approx(0.8)
+  assert float(v.read_value()) == pytest.approx(0.8)
+  assert float(v.value.detach()) == pytest.approx(0.8)
+  rv = coordinator.schedule(add)
+  assert float(rv.get()) == pytest.approx(1.6)
+  assert float(v.read_value()) == pytest.approx(1.6)
+
+  x = torch.tensor([[1.0, 2.0], [3.0, -1.0]])
+  y = torch.tensor([[1.0], [0.0]])
+
+  def train():
+    def replica_fn(bx, by):
+      loss = F.mse_loss(model(bx), by)
+      optimizer.zero_grad()
+      loss.backward()
+      optimizer.step()
+      return loss.detach()
+
+    device = xd.get_strategy().extended.worker_devices[0]
+    return strategy.run(replica_fn, args=(x.to(device), y.to(device)))
+
+  coordinator.schedule(train).fetch()
+  ref = torch.nn.Linear(2, 1)
+  with torch.no_grad():
+    ref.weight.copy_(w0)
+    ref.bias.copy_(b0)
+  ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+  F.mse_loss(ref(x), y).backward()
+  ref_opt.step()
+  torch.testing.assert_close(model.weight.detach(), ref.weight.detach(), rtol=1e-6, atol=1e-6)
+  torch.testing.assert_close(model.bias.detach(), ref.bias.detach(), rtol=1e-6, atol=1e-6)
+  torch.testing.assert_close(model.weight.detach(), strategy.extended.read_var(model.weight))
+  coordinator.join()
+  assert float(v.read_value()) == pytest.approx(1.6)
+
+
+def test_create_per_worker_dataset_takes_a_dataset(cluster):
+  """cluster_coordinator_test.py testPassDatasetToCreatePerWorkerDataset: a
+  dataset (here a DataLoader, and a list of batches) instead of a function;
+  every worker iterates its own unsharded copy from the start."""
+  coordinator = cluster.coordinator
+  data = torch.arange(1.0, 11.0)
+  loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=4)
+  iterator = iter(coordinator.create_per_worker_dataset(loader))
+
+  def take(it):
+    return next(it)
+
+  (first,) = coordinator.schedule(take, args=(iterator,)).fetch()
+  np.testing.assert_array_equal(first, [1.0, 2.0, 3.0, 4.0])
+
+  batches = [torch.tensor([10.0, 20.0]), torch.tensor([30.0, 40.0]), torch.tensor([50.0, 60.0])]
+  iterator = iter(coordinator.create_per_worker_dataset(batches))
+
+  def take_with_worker(it):
+    return xd.get_strategy().extended._worker_index, next(it)
+
+  results = [coordinator.schedule(take_with_worker, args=(iterator,)) for _ in range(4)]
+  coordinator.join()
+  seen = {}
+  for r in results:
+    worker, batch = r.fetch()
+    seen.setdefault(int(worker), []).append(batch.tolist())
+  for got in seen.values():  # each worker: the whole list, in order
+    assert got == [b.tolist() for b in batches[: len(got)]], seen
+
+  with pytest.raises(TypeError, match="expected a function returning a dataset, or a dataset"):
+    coordinator.create_per_worker_dataset(3)
+
+
+def test_functions_in_flight_are_cancelled_when_one_fails(cluster):
+  """cluster_coordinator_test.py testCancellation: a long function in flight
+  when another fails is cancelled: join() raises the failure, and fetch() of
+  the long one raises CancelledError rather than its value; functions
+  scheduled afterwards run."""
+  coordinator = cluster.coordinator
+
+  def slow():
+    time.sleep(3.0)
+    return torch.tensor(1.0)
+
+  def failing():
+    time.sleep(0.5)  # the slow one has started on the other worker
+    raise ValueError("scheduled failure")
+
+  long_running = coordinator.schedule(slow)
+  broken = coordinator.schedule(failing)
+  with pytest.raises(ValueError, match="scheduled failure"):
+    coordinator.join()
+  with pytest.raises(xd.coordinator.CancelledError, match="failed while it ran"):
+    long_running.fetch()
+  with pytest.raises(ValueError, match="scheduled failure"):
+    broken.fetch()
+  assert float(coordinator.schedule(slow).fetch()) == 1.0
+  coordinator.join()
+
+
+def test_reduce_of_a_nest_on_the_chief(cluster):
+  """distribute_lib.py reduce (as strategy_common_test.py ReduceTest, on the
+  chief's one replica): a nest of tensors gives the same nest of reduced
+  tensors. Before, a tuple became one stacked tensor."""
+  strategy = cluster.strategy
+  a, b = torch.tensor([1.0, 2.0]), torch.tensor(3.0)
+  out = strategy.reduce("sum", (a, {"b": b, "c": [a * 2]}), axis=None)
+  assert isinstance(out, tuple) and isinstance(out[1], dict)
+  np.testing.assert_array_equal(out[0].numpy(), [1.0, 2.0])
+  assert float(out[1]["b"]) == 3.0
+  np.testing.assert_array_equal(out[1]["c"][0].numpy(), [2.0, 4.0])
+  mean = strategy.reduce("mean", [a, b], axis=None)
+  assert isinstance(mean, list) and float(mean[1]) == 3.0
+
+
+def test_deepcopy_of_the_strategy_is_refused_clearly(cluster):
+  """distribute_lib.py StrategyBase.__deepcopy__: MirroredStrategy and its
+  kind copy; the chief's ParameterServerStrategy is its connection to the
+  cluster, so a copy is refused with an error that says what to do."""
+  strategy = cluster.strategy
+  with pytest.raises(
+    NotImplementedError, match=r"copy.deepcopy\(ParameterServerStrategy\).*strategy object itself"
+  ):
+    copy.deepcopy(strategy)
 
 
 def test_a_worker_that_stops_answering_is_used_again_when_it_comes_back(cluster):

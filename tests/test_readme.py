@@ -63,15 +63,17 @@ def test_the_example_and_the_checkpoint_blocks_are_marked():
   assert "Porting from tf.distribute" in sections
 
 
-def test_marked_blocks_run_and_resume_exactly(tmp_path):
+def run_marked_blocks(tmp_path, env_extra):
+  """Runs README.md's marked blocks in one child interpreter (this one's Python, with
+  `env_extra` added) and checks what they print: the TF-style loss equals its metric,
+  the resumed run says where it resumed and ends with the uninterrupted run's loss."""
   blocks = [(line, code) for _, line, code in _marked_blocks(README.read_text())]
   (tmp_path / "blocks.json").write_text(json.dumps(blocks))
   env = dict(
     os.environ,
-    PJRT_DEVICE="CPU",
-    CPU_NUM_DEVICES="4",
     XLADIST_COMPILE_CACHE="off",
     PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    **env_extra,
   )
   proc = subprocess.Popen(
     [sys.executable, "-c", DRIVER, str(tmp_path / "blocks.json")],
@@ -102,6 +104,18 @@ def test_marked_blocks_run_and_resume_exactly(tmp_path):
   resumed, uninterrupted = (float(v) for v in final.groups())
   # The same process, the same programs: an exact resume gives the same bits.
   assert resumed == uninterrupted, out
+
+
+def test_marked_blocks_run_and_resume_exactly(tmp_path):
+  """On torch_xla (this suite's runtime); tests/runtime_jax/test_readme_on_jax.py runs
+  the same blocks unchanged on the jax runtime."""
+  run_marked_blocks(tmp_path, {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"})
+
+
+def test_no_marked_block_imports_a_runtime_library():
+  """User code imports no runtime library: the same script runs on every runtime."""
+  for section, line, code in _marked_blocks(README.read_text()):
+    assert not re.search(r"\btorch_xla\b|\bjax\b|\btorchax\b", code), (section, line)
 
 
 def _strip_fences(text):

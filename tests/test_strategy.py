@@ -383,10 +383,33 @@ def test_placement_failure_names_the_cause_and_is_retried(strategy):
       lin = torch.nn.Linear(2, 2)
       after = torch.nn.Linear(2, 2)
       view = lin.weight[0]  # noqa: F841  (the reference that blocks the move)
-  assert lin.weight.device.type == "cpu"
+  # All or nothing: none of the failed module's tensors moved; the others did.
+  assert lin.weight.device.type == "cpu" and lin.bias.device.type == "cpu"
+  assert after.weight.device.type == "xla"
+  # The strategy stays usable for everything else while the reference lives:
+  # a retry that fails again raises nothing (issue 34).
+  with strategy.scope():
+    other = torch.nn.Linear(2, 1)
+  out = strategy.run(lambda: other(torch.ones(1, 2, device=other.weight.device)).sum())
+  assert [round(float(v), 5) for v in strategy.experimental_local_results(out)] == [
+    round(float(other.weight.detach().cpu().sum() + other.bias.detach().cpu().sum()), 5)
+  ] * 4
   del view
   strategy.run(lambda: None)  # placement is retried before each run
   assert lin.weight.device.type == "xla" and after.weight.device.type == "xla"
+
+
+def test_adopting_a_recurrent_model_made_elsewhere(strategy):
+  """An LSTM built outside the scope (its weights held by weak references in
+  `_flat_weights`) is adopted, and runs with the adopted weights."""
+  lstm = torch.nn.LSTM(3, 4, batch_first=True)
+  x = torch.randn(2, 5, 3)
+  want = lstm(x)[0].detach()
+  assert strategy.extended.experimental_adopt(lstm) is lstm
+  assert all(p.device.type == "xla" for p in lstm.parameters())
+  out = strategy.run(lambda x: lstm(x)[0], args=(x,))
+  for got in strategy.experimental_local_results(out):
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-6)
 
 
 def test_merge_call_values_cannot_outlive_the_step(strategy):

@@ -1,9 +1,15 @@
-"""`xladist.experimental`: the names tf.distribute keeps under `experimental`."""
+"""`xladist.experimental`: the names tf.distribute keeps under `experimental`.
+
+`MultiWorkerMirroredStrategy` is the class `xladist.MultiWorkerMirroredStrategy`
+itself (TF keeps the experimental endpoint for old code, and an instance of
+either passes `isinstance` checks against both).
+"""
 
 from xladist import coordinator, partitioners
 from xladist.communication_options import CommunicationImplementation, CommunicationOptions
 from xladist.run_options import ValueContext
 from xladist.strategies.central_storage import CentralStorageStrategy
+from xladist.strategies.multi_worker import MultiWorkerMirroredStrategy
 from xladist.strategies.parameter_server import ParameterServerStrategy
 from xladist.strategies.tpu import DeviceAssignment
 
@@ -12,6 +18,7 @@ __all__ = [
   "CommunicationImplementation",
   "CommunicationOptions",
   "DeviceAssignment",
+  "MultiWorkerMirroredStrategy",
   "ParameterServerStrategy",
   "ValueContext",
   "coordinator",

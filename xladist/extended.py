@@ -6,6 +6,7 @@ hook; each strategy overrides hooks only.
 
 import abc
 import contextlib
+import copy
 
 import torch
 
@@ -63,6 +64,28 @@ class StrategyExtended(abc.ABC):
     self._strategy_ref = strategy
     self.experimental_gradient_aggregation = ReduceOp.MEAN
     self._compile_watch = CompileWatch()
+    self._grouping = False  # experimental_run_steps is tracing its steps as one program
+
+  def _copy_for(self, strategy):
+    """This object for `strategy`, a deep copy of its strategy (`Strategy.__deepcopy__`).
+
+    The configuration (devices, cluster, options, cross-device ops, gradient
+    aggregation) is shared; the state of the steps starts afresh: no variables
+    (a variable keeps the strategy it was made under, as in TF), no compile
+    watch history, no traced or replayed steps.
+    """
+    new = copy.copy(self)
+    new._strategy_ref = strategy
+    new._compile_watch = CompileWatch()
+    store = getattr(self, "_store", None)
+    if store is not None:
+      place = store._place_fn
+      if getattr(place, "__self__", None) is self:  # a method of this object: rebind it
+        place = place.__func__.__get__(new)
+      new._store = type(store)(place, store.num_replicas)
+    if getattr(self, "_engine", None) is not None:
+      new._engine = type(self._engine)(new)
+    return new
 
   @property
   def experimental_compile_count(self):
@@ -319,7 +342,11 @@ class StrategyExtended(abc.ABC):
     elif rest:
 
       def run_rest():
-        outputs.extend(self._strategy_ref.run(fn, args=args) for args in rest)
+        self._grouping = True  # the steps form one program: no cut between them
+        try:
+          outputs.extend(self._strategy_ref.run(fn, args=args) for args in rest)
+        finally:
+          self._grouping = False
 
       if self._current_device().type == _runtime.DEVICE_KIND:
         # One trace for the steps (torch_xla: lazily, cut below; jax: one jaxpr).

@@ -6,10 +6,13 @@ API; the TF 1 / tf.contrib names `Strategy` keeps for ported code come from
 the mixin in `strategy_legacy.py`.
 """
 
+import copy
+
 from xladist import context
 from xladist import runtime as _runtime
 from xladist._global_view import as_value
 from xladist._nest import error_at, flatten, tree_map_with_path
+from xladist._step import seeds
 from xladist.extended import _require_cross_replica, _require_no_other_strategy
 from xladist.input import dataset as input_dataset
 from xladist.input.options import InputOptions, InputReplicationMode
@@ -78,6 +81,23 @@ def _default_scope_mode(strategy):
   return mode
 
 
+# The runtime's sync count when the last `strategy.run` on a device returned.
+_steps_ended = [None]
+
+
+def _end_previous_step():
+  """`strategy.run` ends the step before it, as TF users expect (they never cut
+  graphs): when nothing cut the graph since the last `run` returned, the work
+  pending since then (the last step's program when it was traced lazily, a
+  `strategy.reduce` of its losses, a metric reset) is cut now and runs as one
+  program before this step is traced, so it never joins this step's program. A
+  script that calls `torch_xla.sync()` after each step changes nothing (its
+  sync is counted). The last step's work runs when a value is read (or at the
+  next `run`)."""
+  if _steps_ended[0] is not None and _runtime.sync_count() == _steps_ended[0]:
+    seeds.STEP_SEEDS.sync_between_steps()
+
+
 class Strategy(StrategyLegacy):
   """A way to run one training step on several replicas.
 
@@ -91,6 +111,37 @@ class Strategy(StrategyLegacy):
 
   def __repr__(self):
     return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync})"
+
+  def __deepcopy__(self, memo):
+    """A strategy of the same kind and configuration (TF: StrategyBase.__deepcopy__,
+    which Keras' clone paths use).
+
+    The copy has the same devices, cluster and options and works on its own:
+    it owns none of this strategy's variables (each keeps the strategy it was
+    made under, as in TF) and starts with no traced steps. The default strategy
+    is one per process: its copy is itself.
+
+    Raises:
+      NotImplementedError: the strategy cannot be copied (ParameterServerStrategy).
+    """
+    if self._extended._is_default:
+      memo[id(self)] = self
+      return self
+    new = type(self).__new__(type(self))
+    memo[id(self)] = new
+    new._extended = self._extended._copy_for(new)
+    memo[id(self._extended)] = new._extended
+    for key, value in self.__dict__.items():
+      if key != "_extended":
+        setattr(new, key, copy.deepcopy(value, memo))
+    return new
+
+  def __copy__(self):
+    raise RuntimeError(
+      f"copy.copy({self!r}): a strategy cannot be copied shallowly (the copy would "
+      "share the original's variables and steps). Use copy.deepcopy(strategy) for "
+      "a strategy of the same configuration, or pass the strategy object itself."
+    )
 
   @property
   def extended(self):
@@ -169,12 +220,21 @@ class Strategy(StrategyLegacy):
     args, kwargs = tuple(args), dict(kwargs or {})
     extended = self._extended
     # Not from merge_fn (run there re-enters the step being traced).
-    if not extended._in_region() and extended._current_device().type == _runtime.DEVICE_KIND:
+    on_device = (
+      not extended._in_region() and extended._current_device().type == _runtime.DEVICE_KIND
+    )
+    if on_device:
+      if not getattr(extended, "_grouping", False):
+        _end_previous_step()
       extended._compile_watch.before_step(
         fn, args, kwargs, extended._store, lazy_state=getattr(extended, "_engine", None) is not None
       )
-    with self.scope():
-      return extended._call_for_each_replica(fn, args, kwargs, options)
+    try:
+      with self.scope():
+        return extended._call_for_each_replica(fn, args, kwargs, options)
+    finally:
+      if on_device:
+        _steps_ended[0] = _runtime.sync_count()
 
   def reduce(self, reduce_op, value, axis=None, destinations=None):
     """Reduces `value` across replicas (and along `axis` inside each replica).
@@ -183,6 +243,11 @@ class Strategy(StrategyLegacy):
     `reduce("sum", v, axis=None)` gives [4., 6.]; `reduce("sum", v, axis=0)`
     gives 10.; `reduce("mean", v, axis=0)` gives 2.5 (the mean over all
     elements of all replicas).
+
+    A nest (tuple, list, dict, namedtuple, dataclass) of such values, e.g.
+    what `run` returned, gives the same nest of reduced tensors, each leaf
+    reduced on its own (`reduce("sum", (v, {"w": v}), axis=None)` gives
+    `([4., 6.], {"w": [4., 6.]})`).
 
     The legacy form `reduce("sum", value, destinations)` (tf.contrib) returns the
     reduced value on `destinations` (a Mirrored for several devices).
@@ -199,7 +264,18 @@ class Strategy(StrategyLegacy):
     )
     if destinations is not None:
       return self._extended.reduce_to(reduce_op, value, destinations)
-    return self._extended._reduce(reduce_op, as_value(value, self._extended._tracing()), axis)
+    ext = self._extended
+    tracing = ext._tracing()
+    if flatten(value)[1].is_leaf():
+      return ext._reduce(reduce_op, as_value(value, tracing), axis)
+
+    def reduce_leaf(path, leaf):
+      try:
+        return ext._reduce(reduce_op, as_value(leaf, tracing), axis)
+      except (TypeError, ValueError) as e:
+        raise error_at(e, value, path) from None
+
+    return tree_map_with_path(reduce_leaf, value)
 
   def gather(self, value, axis):
     """Concatenates the replicas' components of `value` along `axis`.

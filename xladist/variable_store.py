@@ -42,6 +42,10 @@ _MIRRORED = "_xladist_mirrored"
 _tracing = [0]  # how many steps are being traced (any strategy, any thread)
 
 
+class _PlacementError(RuntimeError):
+  """A module's tensors could not be moved to the strategy's devices."""
+
+
 class VariableStore:
   """Tracks the modules and optimizers whose state belongs to one strategy."""
 
@@ -53,6 +57,7 @@ class VariableStore:
     self._modules = []  # weakrefs, in registration order (stable graph order)
     self._module_ids = set()
     self._pending = []
+    self._reported = set()  # ids of pending modules whose failed move was raised
     self._optimizers = []
     self._optimizer_ids = set()
     self._hook_handles = None
@@ -110,6 +115,7 @@ class VariableStore:
   def adopt(self, module):
     """Makes `module`'s parameters and buffers variables of this store."""
     key = id(module)
+    self._reported.discard(key)  # asked for again: a failure is raised again
     if key not in self._module_ids:
       self._module_ids.add(key)
       ref = weakref.ref(module, lambda _, key=key: self._forget(key))
@@ -148,14 +154,33 @@ class VariableStore:
   def place_pending(self):
     """Moves the recorded modules' tensors to the strategy's devices.
 
-    A module whose move fails stays pending (with the ones after it), so the
-    error can be fixed and the placement retried.
+    A module whose move fails is left as it was (none of its tensors moved)
+    and stays pending, so the error can be fixed and the placement retried;
+    the other modules are placed all the same, so the strategy stays usable
+    for everything else. A module's failure is raised once, after the others
+    are placed; a retry (before each `run`) that fails again raises nothing: a
+    step that uses the module then names its parameter as one that is not the
+    strategy's (`experimental_adopt` of it raises again). Returns how many
+    modules were placed.
     """
+    failed, error, placed = [], None, 0
     while self._pending:
-      module = self._pending[0]()
-      if module is not None:
+      ref = self._pending.pop(0)
+      module = ref()
+      if module is None:
+        continue
+      try:
         self._place_module(module)
-      self._pending.pop(0)
+        placed += 1
+      except _PlacementError as e:
+        failed.append(ref)
+        if error is None and id(module) not in self._reported:
+          error = e
+        self._reported.add(id(module))
+    self._pending = failed
+    if error is not None:
+      raise RuntimeError(str(error)) from None
+    return placed
 
   def place_module_of(self, tensor):
     """Places the pending module that holds `tensor` now.
@@ -171,34 +196,68 @@ class VariableStore:
       if module is not None and any(
         t is tensor for t in (*module._parameters.values(), *module._buffers.values())
       ):
-        self._place_module(module)
+        try:
+          self._place_module(module)
+        except _PlacementError as e:
+          raise RuntimeError(str(e)) from None
         del self._pending[i]
         return
 
   def _place_module(self, module):
-    for tensors in (module._parameters, module._buffers):
-      for name, t in tensors.items():
-        if t is None or isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
-          continue
-        self._place(module, name, t)
+    """Moves one module's tensors, all or none (`_PlacementError` if one cannot move)."""
+    # An RNN keeps weak references to its weights (`_flat_weight_refs`), and
+    # swap_tensors refuses a tensor that has one: drop them for the move and
+    # rebuild them after, as RNNBase._apply does around torch's own moves.
+    rnn = isinstance(module, torch.nn.RNNBase)
+    if rnn:
+      module._flat_weight_refs = []
+    tensors = [
+      (name, t)
+      for kind in (module._parameters, module._buffers)
+      for name, t in kind.items()
+      if t is not None and not isinstance(t, torch.nn.parameter.UninitializedTensorMixin)
+    ]
+    moved = []  # (tensor, what it held before): swapping again puts it back
+    try:
+      for name, t in tensors:
+        old = self._move(module, name, t)
+        if old is not None:
+          moved.append((t, old))
+    except _PlacementError:
+      for t, old in reversed(moved):
+        torch.utils.swap_tensors(t, old)
+      raise
+    finally:
+      if rnn:
+        module._init_flat_weights()
+    for _, t in tensors:
+      self._after_move(module, t)
 
-  def _place(self, module, name, t):
+  def _move(self, module, name, t):
+    """Swaps `t` with its placed copy; returns the copy (now holding the old
+    value), or None when `t` is where it belongs."""
     placed = self._place_fn(t)
-    if placed is not None:
-      if isinstance(t, torch.nn.Parameter):
-        placed = torch.nn.Parameter(placed, requires_grad=t.requires_grad)
-      policies.carry_policy(t, placed)  # swap_tensors swaps the objects' __dict__
-      try:
-        torch.utils.swap_tensors(t, placed)
-      except RuntimeError as e:
-        raise RuntimeError(
-          f"xladist could not move {type(module).__name__}.{name} (shape "
-          f"{tuple(t.shape)}) to the strategy's devices: another reference to "
-          "the tensor is alive (a view such as `w = model.weight[0]`, or a "
-          "tensor kept from running the module inside the scope). Drop such "
-          "references before the scope is left; the move is retried then and "
-          f"before each strategy.run. (torch: {e})"
-        ) from None
+    if placed is None:
+      return None
+    if isinstance(t, torch.nn.Parameter):
+      placed = torch.nn.Parameter(placed, requires_grad=t.requires_grad)
+    policies.carry_policy(t, placed)  # swap_tensors swaps the objects' __dict__
+    try:
+      torch.utils.swap_tensors(t, placed)
+    except RuntimeError as e:
+      raise _PlacementError(
+        f"xladist could not move {type(module).__name__}.{name} (shape "
+        f"{tuple(t.shape)}) to the strategy's devices: another reference to "
+        "the tensor is alive (a view such as `w = model.weight[0]`, a weak "
+        "reference, or a tensor kept from running the module inside the scope). "
+        f"None of {type(module).__name__}'s tensors moved, and it is not the "
+        "strategy's yet; the strategy's other variables are. Drop such references: "
+        "the move is retried before each strategy.run (or call "
+        f"strategy.extended.experimental_adopt on the module). (torch: {e})"
+      ) from None
+    return placed
+
+  def _after_move(self, module, t):
     if (
       self.num_replicas > 1
       and _runtime.is_device_tensor(t)
@@ -246,16 +305,23 @@ class VariableStore:
     return f"a tensor of shape {tuple(tensor.shape)}"
 
   # -- entering and leaving a step --------------------------------------------
-  def variables(self):
-    """Every tracked XLA tensor: module parameters and buffers."""
-    is_dev = _runtime.is_device_tensor
+  def tensors(self):
+    """Every tracked module parameter and buffer, once.
+
+    A tensor registered in several modules (tied weights: `head.weight =
+    emb.weight`) is one variable, entered and updated once.
+    """
+    seen = set()
     for module in self.modules():
-      for t in module._parameters.values():
-        if t is not None and is_dev(t):
-          yield t
-      for t in module._buffers.values():
-        if t is not None and is_dev(t):
-          yield t
+      for tensors in (module._parameters, module._buffers):
+        for t in tensors.values():
+          if t is not None and id(t) not in seen:
+            seen.add(id(t))
+            yield t
+
+  def variables(self):
+    """Every tracked XLA tensor, once (`tensors`)."""
+    return (t for t in self.tensors() if _runtime.is_device_tensor(t))
 
   @staticmethod
   def optimizer_state_slots(optimizer):

@@ -59,6 +59,7 @@ class StepEngine:
     self._ext = extended
     self.region = None  # the Region of the step being traced, else None
     self._replayer = None
+    seeds.register_device_module()
 
   # -- what a strategy declares ----------------------------------------------------------
   def replay_gap(self):
@@ -76,8 +77,7 @@ class StepEngine:
     ext = self._ext
     store = ext._store
     _ensure_clipping_hook()
-    placed = bool(store._pending)
-    store.place_pending()
+    placed = store.place_pending() > 0
     seeds.follow_torch_seed()
     # Replay: once the step's program is known, run it without tracing fn;
     # otherwise trace, and capture the traced program.
@@ -95,6 +95,7 @@ class StepEngine:
     region = Region(ext._strategy_ref, ext._replica_iota, ext._device_iota, ext._all_reduce_local)
     step = region.step
     made = StepTensors(region)
+    seeds.watch_draws(region, made)
     hooks = (
       torch_optimizer.register_optimizer_step_pre_hook(self._before_optimizer_step),
       torch_optimizer.register_optimizer_step_post_hook(self._after_optimizer_step),
@@ -117,6 +118,7 @@ class StepEngine:
       for hook in hooks:
         hook.remove()
       keep = {id(t) for t, *_ in step.variables}
+      seeds.forget_draws(region)
       region.close()
       self.region = None
       del step
@@ -149,7 +151,16 @@ class StepEngine:
     mode = context._Mode(strategy, replica_context=ReplicaContext(strategy, region))
     context.push(mode)
     try:
-      with _runtime.no_execution(), _xm_guarded(), made:
+      # Backward runs in this thread (`single_threaded_autograd`); the step is
+      # one XLA program already, so torch.compile'd code inside runs as its own
+      # Python (a compiled graph would be traced into the program anyway).
+      with (
+        _runtime.no_execution(),
+        _xm_guarded(),
+        made,
+        single_threaded_autograd(),
+        torch.compiler.set_stance("force_eager"),
+      ):
         out = fn(*local_args, **local_kwargs)
     finally:
       context.pop(mode)
@@ -269,6 +280,21 @@ class StepEngine:
     for p, g in zip(todo, reduced):
       p.grad = g
       done[id(p)] = g
+
+
+def single_threaded_autograd():
+  """Runs the step's backward passes in the tracing thread.
+
+  torch's autograd engine sizes its per-device worker queues once, at the first
+  backward of the process, from the device types registered then. A CPU
+  `loss.backward()` before torch_xla was imported (a notebook's sanity check;
+  `import xladist` does not import torch_xla) leaves no queue for XLA devices,
+  and every later XLA backward fails an internal assert in engine.cpp. With
+  multithreading off the engine runs every node in the calling thread and never
+  looks those queues up; tracing gains nothing from the worker thread anyway
+  (it only records operations).
+  """
+  return torch.autograd.set_multithreading_enabled(False)
 
 
 def _clear_step_frames(tb):

@@ -58,6 +58,7 @@ class Region:
     # step captured from outside is the same on every replica.
     self._first_id = _runtime.next_tensor_id()
     self._replicated_ids = set()  # local views of Mirrored / plain-tensor arguments
+    self._variable_ids = None  # ids of the strategy's variables (arguments that are one)
 
   # -- replica id ---------------------------------------------------------------
   @property
@@ -118,10 +119,23 @@ class Region:
     if isinstance(value, Mirrored):
       return self.enter_value(value.primary)
     if isinstance(value, torch.Tensor):
+      if self.is_variable(value):
+        # TF keeps a variable argument a variable (custom_training_loop_models_test
+        # test_variable_run_argument): the object itself, which the step binds
+        # to its replica-local view (VariableStore.enter) before `fn` runs, so
+        # autograd, optimizers and writes through it reach the model.
+        return value
       local = self.local_replicated(value)
       self._replicated_ids.add(id(local))
       return local
     return value
+
+  def is_variable(self, tensor):
+    """True when `tensor` is one of the strategy's (placed) variables."""
+    if self._variable_ids is None:
+      store = getattr(self.strategy.extended, "_store", None)
+      self._variable_ids = set() if store is None else {id(t) for t in store.variables()}
+    return id(tensor) in self._variable_ids
 
   def is_replicated_input(self, tensor):
     """True for an XLA tensor that is the same on every replica by construction:
@@ -184,3 +198,4 @@ class Region:
     self._replica_id = None
     self._core_axis = None
     self._replicated_ids = set()
+    self._variable_ids = None

@@ -642,7 +642,8 @@ class Replayer:
     if attempt.args is not None:
       args_list = attempt.args
     strategy = self._extended._strategy_ref
-    self._in_group = True
+    # One program: `strategy.run` does not end the steps before it here.
+    self._in_group = self._extended._grouping = True
     try:
       with seeds.STEP_SEEDS.chained() as starts:
         outs = [strategy.run(fn, args=args) for args in args_list]
@@ -650,7 +651,7 @@ class Replayer:
       attempt.abandon()
       raise
     finally:
-      self._in_group = False
+      self._in_group = self._extended._grouping = False
     program = group.program
     outs = attempt.finish(outs)
     if group.program is not program:  # analysed or captured now: where its steps' seeds start
@@ -1359,7 +1360,10 @@ class _ConstView:
     return int(np.prod(self.shape))
 
   def cpu(self):
-    return torch.from_numpy(np.array(self.array))
+    value = np.array(self.array)
+    if value.dtype.name == "bfloat16":  # ml_dtypes' bfloat16, which torch cannot take
+      return torch.from_numpy(value.astype(np.float32)).to(torch.bfloat16)
+    return torch.from_numpy(value)
 
 
 def _replay_compiled(extended, n):

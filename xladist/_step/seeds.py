@@ -37,7 +37,10 @@ every replica): `torch.randperm`, `torch.multinomial`, `F.rrelu`, draws with an
 explicit `generator=`.
 """
 
+import collections
 import contextlib
+import types
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -163,6 +166,18 @@ class _Seeds:
       self.base = self.left = seed
     return seed
 
+  def sync_between_steps(self):
+    """Cuts the graph between two steps (`strategy.run` ending the step before
+    it) and leaves the random numbers as they were: torch_xla's sync moves its
+    seed on, which would make the next step's draws depend on whether this cut
+    happened (and so differ between replayed and traced runs)."""
+    running = _runtime.running_seed()
+    counted = self.marks == _runtime.sync_count()
+    _runtime.sync()
+    _runtime.set_running_seed(running)
+    if counted:
+      self.marks = _runtime.sync_count()
+
   def after_trace(self):
     self.left = _runtime.running_seed()
     return self.left
@@ -180,11 +195,23 @@ def _global_shape(shape, n):
   return (n * shape[0],) + shape[1:] if shape else (n,)
 
 
-def _own(global_value, shape, region):
-  """Replica r's rows of a global draw, shaped `shape`."""
+def _own(draw_global, shape, region):
+  """Replica r's rows of the global draw `draw_global()` makes, shaped `shape`.
+
+  While a recomputation repeats the step's draws (`_DrawLog`), the numbers
+  drawn at that point before are returned and nothing is drawn.
+  """
+  log = _DRAW_LOGS.get(region)
+  if log is not None:
+    repeated = log.repeat(shape)
+    if repeated is not None:
+      return repeated
   n = region.num_replicas
-  stacked = global_value.reshape((n,) + tuple(shape))
-  return collectives.select_own(stacked, region.replica_id)
+  stacked = draw_global().reshape((n,) + tuple(shape))
+  own = collectives.select_own(stacked, region.replica_id)
+  if log is not None:
+    log.record(shape, own)
+  return own
 
 
 def _rand(func, args, kwargs, region):
@@ -196,7 +223,7 @@ def _rand(func, args, kwargs, region):
     shape = tuple(args[0])
   else:
     shape = tuple(args)
-  return _own(func(_global_shape(shape, region.num_replicas), **kwargs), shape, region)
+  return _own(lambda: func(_global_shape(shape, region.num_replicas), **kwargs), shape, region)
 
 
 def _randint(func, args, kwargs, region):
@@ -206,8 +233,9 @@ def _randint(func, args, kwargs, region):
     shape, bounds = tuple(kwargs.pop("size")), args
   else:
     shape, bounds = tuple(args[-1]), args[:-1]
-  out = func(*bounds, _global_shape(shape, region.num_replicas), **kwargs)
-  return _own(out, shape, region)
+  return _own(
+    lambda: func(*bounds, _global_shape(shape, region.num_replicas), **kwargs), shape, region
+  )
 
 
 def _like(factory, extra_args):
@@ -219,8 +247,8 @@ def _like(factory, extra_args):
     kwargs.setdefault("dtype", t.dtype)
     kwargs.setdefault("device", t.device)
     kwargs.pop("memory_format", None)
-    out = factory(*args[1 : 1 + extra_args], _global_shape(t.shape, region.num_replicas), **kwargs)
-    return _own(out, t.shape, region)
+    shape = _global_shape(t.shape, region.num_replicas)
+    return _own(lambda: factory(*args[1 : 1 + extra_args], shape, **kwargs), t.shape, region)
 
   return draw
 
@@ -232,13 +260,20 @@ def _in_place(method):
     t = args[0]
     p = args[1] if len(args) > 1 else kwargs.get("p")
     if method == "bernoulli_" and isinstance(p, torch.Tensor):
-      u = torch.empty(
-        _global_shape(t.shape, region.num_replicas), dtype=torch.float32, device=t.device
-      ).uniform_()
-      value = (_own(u, t.shape, region) < p).to(t.dtype)
+      shape = _global_shape(t.shape, region.num_replicas)
+      u = _own(
+        lambda: torch.empty(shape, dtype=torch.float32, device=t.device).uniform_(),
+        t.shape,
+        region,
+      )
+      value = (u < p).to(t.dtype)
     else:
-      g = torch.empty(_global_shape(t.shape, region.num_replicas), dtype=t.dtype, device=t.device)
-      value = _own(getattr(g, method)(*args[1:], **kwargs), t.shape, region)
+
+      def draw_global():
+        g = torch.empty(_global_shape(t.shape, region.num_replicas), dtype=t.dtype, device=t.device)
+        return getattr(g, method)(*args[1:], **kwargs)
+
+      value = _own(draw_global, t.shape, region)
     with torch.no_grad():
       return t.copy_(value)
 
@@ -250,10 +285,17 @@ def _bernoulli(func, args, kwargs, region):
   p = args[1] if len(args) > 1 else kwargs.get("p")
   shape = _global_shape(probs.shape, region.num_replicas)
   if p is not None:
-    g = torch.empty(shape, dtype=probs.dtype, device=probs.device).bernoulli_(p)
-    return _own(g, probs.shape, region)
-  u = torch.empty(shape, dtype=torch.float32, device=probs.device).uniform_()
-  return (_own(u, probs.shape, region) < probs).to(probs.dtype)
+    return _own(
+      lambda: torch.empty(shape, dtype=probs.dtype, device=probs.device).bernoulli_(p),
+      probs.shape,
+      region,
+    )
+  u = _own(
+    lambda: torch.empty(shape, dtype=torch.float32, device=probs.device).uniform_(),
+    probs.shape,
+    region,
+  )
+  return (u < probs).to(probs.dtype)
 
 
 def _normal(func, args, kwargs, region):
@@ -263,11 +305,12 @@ def _normal(func, args, kwargs, region):
   if isinstance(mean, torch.Tensor) or isinstance(std, torch.Tensor):
     ref = mean if isinstance(mean, torch.Tensor) else std
     shape = torch.broadcast_shapes(*[x.shape for x in (mean, std) if isinstance(x, torch.Tensor)])
-    z = torch.randn(_global_shape(shape, region.num_replicas), dtype=ref.dtype, device=ref.device)
-    return mean + std * _own(z, shape, region)
+    global_shape = _global_shape(shape, region.num_replicas)
+    z = _own(lambda: torch.randn(global_shape, dtype=ref.dtype, device=ref.device), shape, region)
+    return mean + std * z
   shape = tuple(args[2]) if len(args) > 2 else tuple(kwargs.pop("size"))
-  out = torch.normal(mean, std, _global_shape(shape, region.num_replicas), **kwargs)
-  return _own(out, shape, region)
+  global_shape = _global_shape(shape, region.num_replicas)
+  return _own(lambda: torch.normal(mean, std, global_shape, **kwargs), shape, region)
 
 
 def _dropout(func, args, kwargs, region):
@@ -287,8 +330,12 @@ def _dropout(func, args, kwargs, region):
   else:  # one value per (example, channel): the spatial dims are 1
     keep = 2 if x.dim() > {F.dropout1d: 2, F.dropout2d: 3, F.dropout3d: 4}[func] else 1
     mask_shape = tuple(x.shape[:keep]) + (1,) * (x.dim() - keep)
-  ones = torch.ones(_global_shape(mask_shape, region.num_replicas), dtype=x.dtype, device=x.device)
-  mask = _own(func(ones, p, True), mask_shape, region)
+  global_shape = _global_shape(mask_shape, region.num_replicas)
+  mask = _own(
+    lambda: func(torch.ones(global_shape, dtype=x.dtype, device=x.device), p, True),
+    mask_shape,
+    region,
+  )
   return x.mul_(mask) if inplace else x * mask
 
 
@@ -307,10 +354,12 @@ def _alpha_dropout(func, args, kwargs, region):
     mask_shape = tuple(x.shape)
   else:
     mask_shape = tuple(x.shape[:2]) + (1,) * (x.dim() - 2)
-  u = torch.empty(
-    _global_shape(mask_shape, region.num_replicas), dtype=x.dtype, device=x.device
-  ).bernoulli_(1 - p)
-  keep = _own(u, mask_shape, region)
+  global_shape = _global_shape(mask_shape, region.num_replicas)
+  keep = _own(
+    lambda: torch.empty(global_shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p),
+    mask_shape,
+    region,
+  )
   alpha = 1.7580993408473766
   a = ((1 - p) * (1 + p * alpha**2)) ** -0.5
   b = (keep - 1) * (alpha * a) + alpha * a * p
@@ -354,8 +403,8 @@ def _randint_like(func, args, kwargs, region):
   kwargs.setdefault("device", t.device)
   kwargs.pop("memory_format", None)
   bounds = args[1:]
-  out = torch.randint(*bounds, _global_shape(t.shape, region.num_replicas), **kwargs)
-  return _own(out, t.shape, region)
+  shape = _global_shape(t.shape, region.num_replicas)
+  return _own(lambda: torch.randint(*bounds, shape, **kwargs), t.shape, region)
 
 
 DRAWS[torch.randint_like] = _randint_like
@@ -375,8 +424,193 @@ def _on_xla(args, kwargs):
 
 def draw(func, args, kwargs, region):
   """The replica's share of a global draw, or None when `func` draws nothing on
-  the XLA device (or takes an explicit generator, which the user controls)."""
+  the XLA device (or takes an explicit generator, which the user controls).
+
+  While a recomputation repeats the step's earlier draws (`_DrawLog`), their
+  random numbers are used again (`_own`).
+  """
   handler = DRAWS.get(func)
   if handler is None or kwargs.get("generator") is not None or not _on_xla(args, kwargs):
     return None
   return handler(func, args, kwargs or {}, region)
+
+
+class _DrawLog:
+  """The random draws of one traced step, in order, for recomputations.
+
+  `torch.utils.checkpoint` saves the device's RNG state before a block's
+  forward and sets it back before recomputing the block in backward, so that
+  dropout masks the same elements twice. A step's draws come from one seed
+  chain that a set seed cannot rewind without a second seed input to the
+  program (which a replayed program would not refresh). So inside a step the
+  RNG state of the device is a position in this log: setting it back makes the
+  next draws return the values drawn from that position on, the same tensors
+  of the same program; reaching the end of the log draws anew.
+  """
+
+  def __init__(self, mode=None):
+    self.draws = []  # (replica-local shape, the replica's random numbers)
+    self.position = 0
+    self.mode = mode  # the step's TorchFunctionMode (StepTensors), which draws
+    self.pushed = False  # whether a recomputation entered `mode` (see `seek`)
+
+  def seek(self, position):
+    """Sets the position; before it: a recomputation starts, at the end: it ended.
+
+    torch's autograd engine runs backward without the Python function modes of
+    the thread that called it, so a block recomputed in backward would draw
+    through torch directly (the same mask on every replica, from the seed
+    chain's next numbers). The step's mode is entered for the recomputation,
+    between the two `set_rng_state` calls that torch.utils.checkpoint makes
+    around it, and left at the second.
+    """
+    self.position = position
+    if position < len(self.draws):
+      if self.mode is not None and not self.pushed and not _mode_active(self.mode):
+        self.mode.__enter__()
+        self.pushed = True
+    elif self.pushed:
+      self.pushed = False
+      self.mode.__exit__(None, None, None)
+
+  def repeat(self, shape):
+    if self.position >= len(self.draws):
+      return None
+    drawn, numbers = self.draws[self.position]
+    if drawn != tuple(shape):
+      raise RuntimeError(
+        f"torch.utils.checkpoint in strategy.run: the recomputed block drew random "
+        f"numbers of shape {tuple(shape)} where its forward drew {drawn}; the block "
+        "must draw the same random numbers in the same order both times (no Python "
+        "branches that change its random ops between forward and backward)."
+      )
+    self.position += 1
+    return numbers
+
+  def record(self, shape, numbers):
+    self.draws.append((tuple(shape), numbers))
+    self.position = len(self.draws)
+
+
+_DRAW_LOGS = weakref.WeakKeyDictionary()  # Region -> _DrawLog
+
+
+def watch_draws(region, mode):
+  """Starts the draw log of a step traced under `mode` (its StepTensors)."""
+  _DRAW_LOGS[region] = _DrawLog(mode)
+
+
+def forget_draws(region):
+  """Drops a finished step's draws (they are tensors of its region)."""
+  log = _DRAW_LOGS.pop(region, None)
+  if log is not None and log.pushed:
+    log.seek(len(log.draws))
+
+
+def _mode_active(mode):
+  return any(m is mode for m in torch.overrides._get_current_function_mode_stack())
+
+
+def _active_log():
+  from xladist import context
+
+  ctx = context.get_replica_context()
+  region = getattr(ctx, "_region", None) if ctx is not None else None
+  if region is None or not region.active:
+    return None
+  log = _DRAW_LOGS.get(region)
+  if log is None:
+    log = _DRAW_LOGS[region] = _DrawLog()
+  return log
+
+
+# The RNG-state bytes of the device module below: a tag, then 8 bytes: a seed
+# (torch_xla's running seed), a position in a step's draws, or the number of a
+# runtime key kept in `_KEYS` (the jax runtime's seed is a key, not an int).
+_SEED, _POSITION, _KEY = 0, 1, 2
+_KEYS = collections.OrderedDict()  # number -> key, the newest _MAX_KEYS
+_MAX_KEYS = 256
+
+
+def _pack(tag, value):
+  return torch.tensor([tag, *value.to_bytes(8, "little")], dtype=torch.uint8)
+
+
+def _unpack(state):
+  raw = bytes(torch.as_tensor(state, dtype=torch.uint8).tolist())
+  if len(raw) != 9 or raw[0] not in (_SEED, _POSITION, _KEY):
+    raise ValueError(
+      f"torch.{_runtime.DEVICE_KIND}.set_rng_state: expected a state returned by "
+      f"torch.{_runtime.DEVICE_KIND}.get_rng_state() (9 bytes), got {len(raw)} bytes."
+    )
+  return raw[0], int.from_bytes(raw[1:], "little")
+
+
+def get_rng_state(device=None):
+  """The XLA device's RNG state (a uint8 tensor): inside a step, a position in
+  its draws (`_DrawLog`); elsewhere torch_xla's running seed."""
+  log = _active_log()
+  if log is not None:
+    return _pack(_POSITION, log.position)
+  seed = _runtime.running_seed()
+  if isinstance(seed, int):
+    return _pack(_SEED, seed)
+  number = next(reversed(_KEYS), -1) + 1
+  _KEYS[number] = seed
+  while len(_KEYS) > _MAX_KEYS:
+    _KEYS.popitem(last=False)
+  return _pack(_KEY, number)
+
+
+def set_rng_state(new_state, device=None):
+  tag, value = _unpack(new_state)
+  log = _active_log()
+  if tag == _POSITION:
+    if log is None or value > len(log.draws):
+      raise RuntimeError(
+        f"torch.{_runtime.DEVICE_KIND}.set_rng_state: this state was taken inside "
+        "a step of strategy.run and holds only there (in the same step)."
+      )
+    log.seek(value)
+  elif log is not None:
+    raise RuntimeError(
+      f"torch.{_runtime.DEVICE_KIND}.set_rng_state inside strategy.run: a state "
+      "taken outside the step cannot be set inside it (the step's random numbers "
+      "follow torch.manual_seed, set before strategy.run)."
+    )
+  elif tag == _KEY:
+    if value not in _KEYS:
+      raise RuntimeError(
+        f"torch.{_runtime.DEVICE_KIND}.set_rng_state: this state is older than the "
+        f"last {_MAX_KEYS} states taken; take it again with get_rng_state()."
+      )
+    _runtime.set_running_seed(_KEYS[value])
+  else:
+    _runtime.set_running_seed(value)
+
+
+def register_device_module():
+  """Gives torch's device module for the runtime's device type (`torch.xla`,
+  `torch.jax`) the RNG-state functions above.
+
+  torch.utils.checkpoint saves and restores a device's RNG state through
+  `getattr(torch, device_type)`: torch_xla 2.9 registers no such module
+  ("module 'torch' has no attribute 'xla'"), so xladist registers one; torchax
+  registers one whose RNG functions do nothing (a recomputed block would draw
+  new dropout masks), so xladist's replace them.
+  """
+  kind = _runtime.DEVICE_KIND
+  module = getattr(torch, kind, None)
+  if module is None:
+    module = types.ModuleType(f"torch.{kind}", "xladist: the RNG state of the device.")
+    torch._register_device_module(kind, module)
+  for name, value in (
+    ("device", lambda device: contextlib.nullcontext()),
+    ("device_count", _runtime.num_devices),
+    ("is_available", lambda: True),
+  ):
+    if not hasattr(module, name):
+      setattr(module, name, value)
+  module.get_rng_state = get_rng_state
+  module.set_rng_state = set_rng_state
+  module._initialized = True  # torch.utils.checkpoint saves the state only then

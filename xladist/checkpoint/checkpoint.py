@@ -189,7 +189,7 @@ class Checkpoint:
     for name, obj in self._objects.items():
       kind = kind_of(name, obj)
       if kind in (MODULE, STATEFUL):
-        value = obj.state_dict()
+        value = _module_state(obj) if kind == MODULE else obj.state_dict()
         check_plain(value, f"{name}.state_dict()", api)
       elif kind == ITERATOR:
         try:
@@ -388,3 +388,18 @@ def _require_outside_step(what):
       "and its values cannot be read or replaced. Call it between steps, after "
       "strategy.run returns."
     )
+
+
+def _module_state(module):
+  """`module.state_dict()` with a tensor shared by several entries (tied
+  weights: `head.weight = emb.weight`) stored once: one detached tensor for all
+  its names (state_dict() detaches each entry apart, so the file would hold a
+  copy per name)."""
+  state = module.state_dict(keep_vars=True)
+  detached = {}
+  for key, value in state.items():
+    if isinstance(value, torch.Tensor):
+      if id(value) not in detached:
+        detached[id(value)] = value.detach()
+      state[key] = detached[id(value)]
+  return state

@@ -309,14 +309,17 @@ delete_resource.__qualname__ = delete_resource.__name__ = "delete_resource"
 
 
 def make_dataset(dataset_fn):
-  """A worker's dataset: `dataset_fn()` or `dataset_fn(input_context)`, or a
-  distributed dataset made on the chief (built here)."""
+  """A worker's dataset: `dataset_fn()` or `dataset_fn(input_context)`, a
+  distributed dataset made on the chief (built here), or a dataset passed
+  itself (this worker's copy of it)."""
   worker = _worker()
   strategy = worker.strategy
   if isinstance(dataset_fn, ps._DatasetSpec):
     if dataset_fn.dataset_fn is not None:
       return strategy.distribute_datasets_from_function(dataset_fn.dataset_fn, dataset_fn.options)
     return strategy.experimental_distribute_dataset(dataset_fn.dataset, dataset_fn.options)
+  if not callable(dataset_fn):
+    return dataset_fn
   if _takes_an_argument(dataset_fn):
     layout = _rpc.current_layout()
     return dataset_fn(InputContext(layout.num_workers, worker.index, 1))

@@ -24,6 +24,10 @@ Failures:
   function itself, it is raised by the next `schedule`, `join` or `done`
   (and by the closure's `fetch`), after the queued closures are cancelled
   (their RemoteValues raise `CancelledError`);
+* when a function fails, the others in flight are cancelled too, as TF's
+  cancellation manager cancels them: their RemoteValues raise
+  `CancelledError` (a worker runs a function to its end, so what it did to
+  variables before it returns stays done, as ops TF ran before cancelling);
 * no wait is unbounded: with every worker gone for longer than the strategy's
   communication timeout, waits raise instead of hanging.
 """
@@ -51,13 +55,14 @@ _PROBE_SECONDS = 1.0
 
 
 class _Closure:
-  __slots__ = ("description", "payload", "remote_value", "runs")
+  __slots__ = ("description", "payload", "remote_value", "runs", "cancelled")
 
   def __init__(self, description, payload, remote_value):
     self.description = description
     self.payload = payload
     self.remote_value = remote_value
     self.runs = 0  # how many times a worker started it
+    self.cancelled = False  # another function failed while this one was in flight
 
 
 class _ClosureQueue:
@@ -68,6 +73,7 @@ class _ClosureQueue:
     self._changed = threading.Condition(self._lock)
     self._queue = collections.deque()
     self._inflight = 0
+    self._running = set()  # the closures in flight
     self._error = None
     self._stopped = False
 
@@ -86,34 +92,52 @@ class _ClosureQueue:
       if self._stopped or not self._queue or self._error is not None:
         return None
       self._inflight += 1
-      return self._queue.popleft()
+      closure = self._queue.popleft()
+      self._running.add(closure)
+      return closure
 
   def put_back(self, closure):
     with self._lock:
       self._inflight -= 1
-      if self._error is not None:
-        closure.remote_value._set_error(_cancelled(closure))
+      self._running.discard(closure)
+      if self._error is not None or closure.cancelled:
+        closure.remote_value._set_error(_cancelled(closure, closure.cancelled))
       else:
         self._queue.appendleft(closure)
       self._changed.notify_all()
 
-  def mark_finished(self):
+  def mark_finished(self, closure, value):
+    """A closure returned `value`: its RemoteValue gets it, or CancelledError
+    when another function failed while it ran."""
     with self._lock:
       self._inflight -= 1
+      self._running.discard(closure)
+      if closure.cancelled:
+        closure.remote_value._set_error(_cancelled(closure, in_flight=True))
+      else:
+        closure.remote_value._set_value(value)
       self._changed.notify_all()
 
   def set_error(self, error):
     with self._lock:
-      if self._error is None:
-        self._error = error
+      self._record_error(error)
       self._changed.notify_all()
 
-  def mark_failed(self, error):
+  def mark_failed(self, closure, error):
+    """A closure raised `error`: its RemoteValue gets it (also when it was
+    cancelled meanwhile, as TF's); the first error cancels the others in flight."""
     with self._lock:
       self._inflight -= 1
-      if self._error is None:
-        self._error = error
+      self._running.discard(closure)
+      closure.remote_value._set_error(error)
+      self._record_error(error)
       self._changed.notify_all()
+
+  def _record_error(self, error):
+    if self._error is None:
+      self._error = error
+      for other in self._running:
+        other.cancelled = True
 
   def failed(self):
     with self._lock:
@@ -151,7 +175,20 @@ class _ClosureQueue:
       self._changed.notify_all()
 
 
-def _cancelled(closure):
+def _is_dataset(obj):
+  """A dataset object (what iter() takes); a one-pass iterator is not one."""
+  if isinstance(obj, (str, bytes, dict)) or hasattr(obj, "__next__"):
+    return False
+  return hasattr(type(obj), "__iter__") or hasattr(type(obj), "__getitem__")
+
+
+def _cancelled(closure, in_flight=False):
+  if in_flight:
+    return CancelledError(
+      f"{closure.description} was cancelled because another scheduled function "
+      "failed while it ran; what it did to variables before it returned stays "
+      "done. Schedule it again."
+    )
   return CancelledError(
     f"{closure.description} was cancelled because an earlier scheduled function "
     "failed; schedule it again."
@@ -208,14 +245,12 @@ class _WorkerThread:
         self.failures += 1
         c._queue.put_back(closure)
         continue
+      closure.remote_value._finished = c._count_finished()
       if result[0] == "ok":
         self.completed += 1
-        closure.remote_value._set_value(result[1])
-        c._queue.mark_finished()
+        c._queue.mark_finished(closure, result[1])
       else:
-        error = _rpc.rebuild_error(result)
-        closure.remote_value._set_error(error)
-        c._queue.mark_failed(error)
+        c._queue.mark_failed(closure, _rpc.rebuild_error(result))
 
   def _adopt(self):
     """Switches to the worker's new incarnation, which holds no per-worker value yet."""
@@ -291,6 +326,14 @@ class ClusterCoordinator:
     # Held while per-worker values are made, so that a restarted worker's are
     # rebuilt once each and in creation order.
     self._resource_lock = threading.RLock()
+    # Reads on the chief after a fetch (`_refresh_after`): closures are
+    # numbered as they finish; `_pulled[var_id]` is the number of closures
+    # finished before the chief's copy of the variable was last read from the
+    # ps tasks after a fetch, `_synced` the same for every variable (join).
+    self._finished_lock = threading.Lock()
+    self._finished = 0
+    self._pulled = {}
+    self._synced = 0
     self._workers = [_WorkerThread(self, i, t) for i, t in enumerate(ext._layout.workers)]
     self._closed = False
     ext._coordinator = self
@@ -345,7 +388,7 @@ class ClusterCoordinator:
     )
     ext.mark_stale(var_ids)
     description = f"the scheduled function {getattr(fn, '__qualname__', repr(fn))}"
-    remote_value = RemoteValueImpl(self, description)
+    remote_value = RemoteValueImpl(self, description, var_ids)
     self._queue.put(_Closure(description, payload, remote_value))
     return remote_value
 
@@ -355,9 +398,10 @@ class ClusterCoordinator:
     Then the chief's copies of the variables the functions refer to are read
     from the ps tasks, so that reads on the chief (`v.read_value()`,
     `float(v)`, `model(x)`, a checkpoint) give the ps tasks' values, as TF's
-    reads of ps variables do. Between `schedule` and `join` the chief's
-    copies keep the values of the last `join` (or `done()` that returned
-    True); `strategy.extended.read_var(v)` reads a ps task at any time.
+    reads of ps variables do. `fetch()` / `get()` of a function's RemoteValue
+    does the same for the variables that function refers to. Otherwise, between
+    `schedule` and `join`, the chief's copies keep the values of the last such
+    read; `strategy.extended.read_var(v)` reads a ps task at any time.
 
     Raises:
       Exception: the first error of a scheduled function since the last
@@ -377,7 +421,7 @@ class ClusterCoordinator:
       # are current, except for a ps task that failed (the error names it).
       ext.refresh_stale(ignore_unavailable=True)
       raise
-    ext.refresh_stale()
+    self._refresh_all()
 
   def done(self):
     """Whether every scheduled function has run (raises an error as `join`);
@@ -385,8 +429,47 @@ class ClusterCoordinator:
     self._raise_pending_error("ClusterCoordinator.done")
     done = self._queue.done()
     if done:
-      self._strategy.extended.refresh_stale()
+      self._refresh_all()
     return done
+
+  # -- reads on the chief ------------------------------------------------------------------
+  def _count_finished(self):
+    """Numbers a closure that has just finished on a worker (its writes are on
+    the ps tasks)."""
+    with self._finished_lock:
+      self._finished += 1
+      return self._finished
+
+  def _refresh_all(self):
+    """Reads every variable scheduled functions may have changed (join, done)."""
+    with self._finished_lock:
+      finished = self._finished
+    self._strategy.extended.refresh_stale()
+    self._synced = max(self._synced, finished)
+
+  def _refresh_after(self, remote_value):
+    """After `fetch()` / `get()` of a function that ran: the chief's copies of
+    the variables it refers to are read from the ps tasks (TF reads a ps
+    variable where it lives), unless read since the function finished. A
+    function that raised refreshes them too, where the ps tasks answer."""
+    finished = remote_value._finished
+    if finished is None or not remote_value._var_ids or self._closed:
+      return
+    with self._finished_lock:
+      now = self._finished
+    ids = [i for i in remote_value._var_ids if max(self._pulled.get(i, 0), self._synced) < finished]
+    if not ids:
+      return
+    ext = self._strategy.extended
+    tensors = [t for t in (ext._vars.get(i) for i in ids) if t is not None]
+    try:
+      ext.pull(tensors)
+    except _rpc.TaskUnavailableError:
+      if remote_value._error is None:
+        raise
+      return  # the function's own error is what fetch raises
+    for i in ids:
+      self._pulled[i] = max(self._pulled.get(i, 0), now)
 
   def _raise_pending_error(self, what):
     """Raises the first error of a scheduled function, once the functions in
@@ -411,16 +494,26 @@ class ClusterCoordinator:
         worker's index) to shard the data; it returns a dataset (a DataLoader,
         any re-iterable, or `strategy.distribute_datasets_from_function(...)`
         called on the worker). Or what `strategy.distribute_datasets_from_function
-        (fn)` / `experimental_distribute_dataset(ds)` returned on the chief.
+        (fn)` / `experimental_distribute_dataset(ds)` returned on the chief. Or
+        a dataset itself (a DataLoader, a list of batches, any re-iterable that
+        pickles): every worker gets a copy of it, unsharded, as TF gives each
+        worker the dataset passed.
 
     Returns:
       A `PerWorkerDataset`.
+
+    Raises:
+      TypeError: `dataset_fn` is neither a function nor a dataset, or cannot
+        be sent to the workers (the message names what).
     """
     self._check_open("create_per_worker_dataset")
-    if not callable(dataset_fn) and not isinstance(dataset_fn, ps._DatasetSpec):
+    if not (
+      callable(dataset_fn) or isinstance(dataset_fn, ps._DatasetSpec) or _is_dataset(dataset_fn)
+    ):
       raise TypeError(
         "ClusterCoordinator.create_per_worker_dataset: expected a function returning "
-        f"a dataset, got {type(dataset_fn).__name__}."
+        "a dataset, or a dataset (an iterable such as a DataLoader or a list of "
+        f"batches), got {type(dataset_fn).__name__}."
       )
     values = self._create_per_worker(
       _worker.make_dataset,

@@ -34,7 +34,10 @@ class RemoteValue:
 
   def fetch(self):
     """Waits for the value and returns it with tensors as numpy arrays (TF's
-    `fetch`). Raises the function's error, or CancelledError."""
+    `fetch`). Raises the function's error, or CancelledError.
+
+    Afterwards reads on the chief of the variables the function refers to
+    give their values on the ps tasks (the function's writes included)."""
     raise NotImplementedError
 
   def get(self):
@@ -45,9 +48,11 @@ class RemoteValue:
 class RemoteValueImpl(RemoteValue):
   """The RemoteValue of one closure."""
 
-  def __init__(self, coordinator, description):
+  def __init__(self, coordinator, description, var_ids=()):
     self._coordinator = coordinator
     self._description = description
+    self._var_ids = var_ids  # the ps variables the function refers to
+    self._finished = None  # its number among finished closures, once it ran
     self._event = threading.Event()
     self._status = _Status.NOT_READY
     self._value = None
@@ -69,6 +74,7 @@ class RemoteValueImpl(RemoteValue):
 
   def _wait(self, api):
     self._coordinator._wait_until(self._event.is_set, f"RemoteValue.{api} of {self._description}")
+    self._coordinator._refresh_after(self)
     if self._error is not None:
       raise self._error
 

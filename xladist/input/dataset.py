@@ -93,6 +93,17 @@ def _partial_error(api, what, size, full):
   )
 
 
+def _short_only_batch_error(api, what, size, full, n):
+  return ValueError(
+    f"{api}: the dataset's only {what} has {size} examples, fewer than its "
+    f"{what} size {full} (the DataLoader's batch_size), and {size} rows cannot be "
+    f"split evenly over the {n} replicas in sync. Pass "
+    "options=xd.InputOptions(experimental_partial_batch='mask') to pad it to "
+    f"{full} rows and get a mask of the real ones, or experimental_partial_batch="
+    "'drop' to skip it."
+  )
+
+
 def _larger_error(api, what, size, full):
   return ValueError(
     f"{api}: a {what} of {size} examples came after a first {what} of {full}; the "
@@ -206,11 +217,17 @@ def _global_batch_elements(dataset, builder, api, skip=0):
   as the returned generator is iterated. The first `skip` elements are read
   and checked but not built or transferred.
   """
-  return _global_batches(iter(dataset), builder, api, skip)
+  return _global_batches(iter(dataset), builder, api, skip, declared_batch_size(dataset))
 
 
-def _global_batches(batches, builder, api, skip):
-  full = whole = specs = None
+def _global_batches(batches, builder, api, skip, declared=None):
+  """`declared`: the dataset's own batch size when it has one (a DataLoader's
+  `batch_size`). With `experimental_partial_batch` set it is the global batch
+  size (a dataset smaller than one batch has one partial batch); else the
+  first batch's size is (a dataset of one batch has one shape, nothing to pad)."""
+  full = declared if builder.partial is not None else None
+  whole = specs = None
+  divisible = False
   position, count = skip, 0
   for index, batch in enumerate(batches):
     leaves, spec = flatten(batch)
@@ -232,13 +249,18 @@ def _global_batches(batches, builder, api, skip):
     specs.check(spec, leaves, index)
     if full is None:
       full = size
+    if not divisible:
       if full % builder.n:
+        if declared is not None and full < declared:
+          raise _short_only_batch_error(api, "batch", full, declared, builder.n)
+        source = "the DataLoader's batch_size" if full == declared else "taken from the first batch"
         raise ValueError(
-          f"{api}: the global batch size {full} (taken from the first batch) is "
+          f"{api}: the global batch size {full} ({source}) is "
           f"not divisible by the {builder.n} replicas in sync; each replica must "
           f"get the same number of rows. Use a batch size that is a multiple of "
           f"{builder.n}."
         )
+      divisible = True
     if size > full:
       raise _larger_error(api, "batch", size, full)
     if size < full:
@@ -275,13 +297,19 @@ def _per_replica_elements(datasets, per_worker, builder, api, skip=0):
   iterated. The first `skip` elements are read and checked but not built or
   transferred.
   """
-  return _per_replica_batches([iter(d) for d in datasets], per_worker, builder, api, skip)
+  sizes = {declared_batch_size(d) for d in datasets}
+  declared = sizes.pop() if len(sizes) == 1 else None
+  return _per_replica_batches([iter(d) for d in datasets], per_worker, builder, api, skip, declared)
 
 
-def _per_replica_batches(iterators, per_worker, builder, api, skip):
+def _per_replica_batches(iterators, per_worker, builder, api, skip, declared=None):
+  """`declared`: the pipelines' own per-replica batch size when they have one
+  (their DataLoaders' `batch_size`): the batch size with
+  `experimental_partial_batch` set, else the first batch's size is."""
   n = builder.n
   done = [False] * len(iterators)
-  b = whole = specs = None
+  b = declared if builder.partial is not None else None
+  whole = specs = None
   what = "per-replica batch"
   position, count, index = skip, 0, 0
   while True:
@@ -436,13 +464,31 @@ def from_datasets(extended, datasets, options, api, hosts=None):
   )
 
 
+def declared_batch_size(dataset):
+  """The batch size a dataset declares, or None: a DataLoader's with automatic
+  batching and the default collate_fn (its BatchSampler's `batch_size`; a
+  custom collate_fn may make batches of other sizes). Its partial batches, the
+  first one included when the data is smaller than one batch, are measured
+  against it rather than against the first batch."""
+  if isinstance(dataset, torch.utils.data.DataLoader):
+    sampler = dataset.batch_sampler
+    if (
+      isinstance(sampler, torch.utils.data.BatchSampler)
+      and sampler.batch_size
+      and dataset.collate_fn is torch.utils.data.default_collate
+    ):
+      return int(sampler.batch_size)
+  return None
+
+
 def _batch_sizes_known_now(dataset):
-  """(first batch size, last batch size) of an epoch when known without reading
-  the data, else None.
+  """(first batch size, last batch size, batches) of an epoch when known without
+  reading the data, else None.
 
   A DataLoader with automatic batching knows both from its sampler's length,
-  `batch_size` and `drop_last`; a list or tuple of batches from its first and
-  last entries (already in memory).
+  `batch_size` and `drop_last` (data smaller than one batch, with the default
+  collate_fn: one partial batch); a list or tuple of batches from its first
+  and last entries (already in memory).
   """
   if isinstance(dataset, torch.utils.data.DataLoader):
     sampler = dataset.batch_sampler
@@ -453,9 +499,13 @@ def _batch_sizes_known_now(dataset):
     except TypeError:
       return None
     b = sampler.batch_size
-    if examples == 0 or sampler.drop_last or examples < b:
-      return (b, b) if examples >= b else None
-    return b, examples % b or b
+    if examples < b:
+      if examples == 0 or sampler.drop_last or declared_batch_size(dataset) is None:
+        return None
+      return b, examples, 1
+    if sampler.drop_last:
+      return b, b, examples // b
+    return b, examples % b or b, -(-examples // b)
   if isinstance(dataset, (list, tuple)) and dataset:
     sizes = []
     for batch in (dataset[0], dataset[-1]):
@@ -463,7 +513,7 @@ def _batch_sizes_known_now(dataset):
       if not has_batch_dim(leaves):
         return None  # elements taken whole: no batch size to check
       sizes.append(next(t for t in leaves if isinstance(t, torch.Tensor)).shape[0])
-    return tuple(sizes)
+    return sizes[0], sizes[1], len(dataset)
   return None
 
 
@@ -477,7 +527,7 @@ def check_last_batch(dataset, options, api, n, what="batch"):
   sizes = _batch_sizes_known_now(dataset)
   if sizes is None:
     return
-  full, last = sizes
+  full, last, batches = sizes
   if n and full % n:
     raise ValueError(
       f"{api}: the global batch size {full} is not divisible by the {n} replicas "
@@ -485,6 +535,11 @@ def check_last_batch(dataset, options, api, n, what="batch"):
       f"that is a multiple of {n}."
     )
   if last < full and options.experimental_partial_batch is None:
+    if batches == 1:
+      # One batch, one shape: taken as it is, when the replicas can share it.
+      if n and last % n:
+        raise _short_only_batch_error(api, what, last, full, n)
+      return
     raise ValueError(
       f"{api}: the dataset's last {what} will have {last} examples, the others "
       f"{full}. " + _PARTIAL_ADVICE

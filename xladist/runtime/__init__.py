@@ -3,11 +3,16 @@
 Everything above this package (steps, strategies, input, checkpoints) reaches
 devices, collectives and host transfers through the names bound here, never
 through a runtime library directly (import-linter: only `xladist.runtime.xla`
-imports torch_xla). One runtime exists in this release:
+imports torch_xla). Two runtimes exist, chosen by `XLADIST_BACKEND` when xladist
+is imported:
 
-* `xla` (runtime/xla.py): torch_xla 2.9 in SPMD mode, one process per host,
-  XLA:CPU or TPU. `XLADIST_BACKEND=torch_xla` (the default) selects it; any
-  other value is refused when a strategy starts the runtime.
+* `xla` (runtime/xla.py, with runtime/xla_lowerings.py): torch_xla 2.9 in SPMD
+  mode, one process per host, XLA:CPU or TPU. `XLADIST_BACKEND=torch_xla` (the
+  default where torch_xla is installed) selects it;
+* `jax_runtime` (runtime/jax_runtime.py, with runtime/torchax_fixes.py): JAX
+  through torchax, XLA:CPU or NVIDIA GPUs, several processes through
+  `jax.distributed`. `XLADIST_BACKEND=jax` (the default where torch_xla is not
+  installed) selects it.
 
 What a runtime provides (the interface; each name below is bound from the
 selected runtime module):

@@ -44,6 +44,7 @@ import threading
 
 import numpy as np
 
+from xladist.runtime import jax_compat
 from xladist.runtime.host import call_with_timeout, user_frame  # noqa: F401  (interface)
 from xladist.runtime.host import frame_outside as _frame_outside
 
@@ -74,9 +75,7 @@ class _Runtime:
 def _configure_jax(jax, environ):
   """jax settings that must be made before its backends start."""
   platforms = environ.get("JAX_PLATFORMS", "")
-  from jax._src import xla_bridge
-
-  started = xla_bridge.backends_are_initialized()  # jax used before the first strategy
+  started = jax_compat.backends_started()  # jax used before the first strategy
   flags = environ.get("XLA_FLAGS", "")
   if not started and "host_platform_device_count" not in flags:
     cpu_devices = int(environ.get("CPU_NUM_DEVICES", DEFAULT_CPU_DEVICES))
@@ -117,12 +116,10 @@ def _exit_barrier(timeout_seconds):
   disconnect and the coordinator waits until they did. Skipped after a failed
   bounded wait (`wait`): the others may be gone.
   """
-  from jax._src import distributed
-
-  client = distributed.global_state.client
+  state = jax_compat.distributed_state()
+  client = state.client
   if client is None or _peer_lost[0]:
     return
-  state = distributed.global_state
   try:
     client.wait_at_barrier("xladist-exit", int(timeout_seconds * 1000))
     if state.service is None:
@@ -155,24 +152,20 @@ def initialize():
   with _lock:
     if _state is not None:
       return _state
+    from xladist.runtime import torchax_fixes, torchax_load
+
     try:
       import jax
-      import torchax
     except ImportError as e:
-      chosen = (
-        "XLADIST_BACKEND=jax"
-        if os.environ.get("XLADIST_BACKEND")
-        else "chosen because torch_xla is not installed either"
-      )
-      raise RuntimeError(
-        f"xladist: the jax runtime ({chosen}) needs jax and torchax, which cannot be "
-        f"imported here ({e}). Install a runtime: `pip install 'xladist[jax]'` (CPU) or "
-        "'xladist[cuda]' (NVIDIA GPU) for this one (`make venv-jax` builds such an "
-        "environment), or 'xladist[xla]' / 'xladist[tpu]' for torch_xla."
-      ) from e
-    from xladist.runtime import torchax_fixes
-
+      raise _runtime_not_installed(e) from e
+    jax_compat.check_version(jax)
+    torchax_load.check_torch()
+    # Before torchax's first environment, which starts jax's backends.
     _configure_jax(jax, os.environ)
+    try:
+      torchax = torchax_load.load()
+    except ImportError as e:
+      raise _runtime_not_installed(e) from e
     torchax_fixes.install()
     torchax.enable_globally()
     _follow_data_assignments(torchax.tensor.Tensor)
@@ -180,6 +173,20 @@ def initialize():
     _state = _Runtime(jax, torchax, jax.default_backend())
     _install_compile_counter(jax)
     return _state
+
+
+def _runtime_not_installed(e):
+  chosen = (
+    "XLADIST_BACKEND=jax"
+    if os.environ.get("XLADIST_BACKEND")
+    else "chosen because torch_xla is not installed either"
+  )
+  return RuntimeError(
+    f"xladist: the jax runtime ({chosen}) needs jax and torchax, which cannot be "
+    f"imported here ({e}). Install a runtime: `pip install 'xladist[jax]'` (CPU) or "
+    "'xladist[cuda]' (NVIDIA GPU) for this one (`make venv-jax` builds such an "
+    "environment), or 'xladist[xla]' / 'xladist[tpu]' for torch_xla."
+  )
 
 
 def _rt():
@@ -577,9 +584,7 @@ def _current():
 
 
 def _source_info():
-  from jax._src import source_info_util
-
-  return source_info_util.current()
+  return jax_compat.source_info()
 
 
 def to_local(global_tensor):
@@ -603,11 +608,9 @@ def _local_input(st, elem):
   """The tracer of global array `elem` in step `st`: a new input the first time."""
   local = st.by_array.get(id(elem))
   if local is None:
-    from jax._src import core
-
     split = not elem.sharding.is_fully_replicated
     shape = ((1,) + tuple(elem.shape[1:])) if split else tuple(elem.shape)
-    local = st.trace.new_arg(core.ShapedArray(shape, elem.dtype), _source_info())
+    local = st.trace.new_arg(jax_compat.shaped_array(shape, elem.dtype), _source_info())
     st.inputs.append((elem, split))
     st.by_array[id(elem)] = local
   return local
@@ -621,11 +624,9 @@ def _step_trace_class():
   are constants typed without a placement (inside the program every value is
   replica-local)."""
   jax = _rt().jax
-  from jax._src import core
-  from jax._src.interpreters import partial_eval as pe
   from jax.sharding import NamedSharding
 
-  class StepTrace(pe.DynamicJaxprTrace):
+  class StepTrace(jax_compat.step_trace_base()):
     __slots__ = ()
 
     def new_const(self, c, source_info, aval=None):
@@ -635,7 +636,7 @@ def _step_trace_class():
         if isinstance(sharding, NamedSharding) and sharding.mesh == mesh():
           return _local_input(st, c)
         if aval is None:
-          aval = core.ShapedArray(tuple(c.shape), c.dtype)
+          aval = jax_compat.shaped_array(c.shape, c.dtype)
       return super().new_const(c, source_info, aval)
 
     pure = lift = new_const
@@ -710,7 +711,7 @@ class _Program:
       if kind == "array":
         arrays.append(c)
       else:
-        scalars.setdefault(dtype, []).append(np.asarray(c, dtype=dtype))
+        scalars.setdefault(dtype, []).append(np.asarray(c, dtype=jax.numpy.dtype(dtype)))
     vectors = [np.stack(scalars[d]) for d in sorted(scalars)]
     with jax.ensure_compile_time_eval():
       placed = _on_devices(vectors)  # each process its own copy (no cross-process check)
@@ -731,27 +732,25 @@ def _const_layout(consts):
   """Per constant: ("scalar", dtype, index in its dtype's vector) or ("array", dtype, i)."""
   counts, layout = {}, []
   for c in consts:
-    dtype = np.dtype(c.dtype)
+    dtype = np.dtype(c.dtype).name  # not .str: bfloat16's is "<V2" (void)
     if tuple(np.shape(c)) == ():
-      layout.append(("scalar", dtype.str, counts.get(dtype.str, 0)))
-      counts[dtype.str] = counts.get(dtype.str, 0) + 1
+      layout.append(("scalar", dtype, counts.get(dtype, 0)))
+      counts[dtype] = counts.get(dtype, 0) + 1
     else:
-      layout.append(("array", dtype.str, None))
+      layout.append(("array", dtype, None))
   return tuple(layout)
 
 
 def _unpacking_body(jaxpr, layout):
   """fn(arrays, vectors, key, *args): the jaxpr evaluated with its constants
   rebuilt from the packed form."""
-  from jax._src import core
-
   order = sorted({d for kind, d, _ in layout if kind == "scalar"})
 
   def body(arrays, vectors, key_in, *args):
     by_dtype = dict(zip(order, vectors, strict=True))
     it = iter(arrays)
     consts = [next(it) if kind == "array" else by_dtype[d][j] for kind, d, j in layout]
-    return core.eval_jaxpr(jaxpr, consts, key_in, *args)
+    return jax_compat.eval_jaxpr(jaxpr, *consts, key_in, *args)
 
   return body
 
@@ -783,32 +782,29 @@ def traced_step(body):
   which the next step reads as they are.
   """
   rt = _rt()
-  from jax._src import core
-
   if _current() is not None:
     # A step inside a traced group of steps (experimental_run_steps): part of
     # the group's one program.
     return body()
   n = num_devices()
-  trace = _step_trace_class()(None)
+  trace = jax_compat.new_trace(_step_trace_class())
   st = _StepTrace(trace)
   env = rt.env
   key_before = env.param.prng
   _tls.step = st
   try:
-    with core.extend_axis_env_nd([(REPLICA_AXIS, n)]), core.set_current_trace(trace):
+    with jax_compat.bind_axis(REPLICA_AXIS, n), jax_compat.current_trace(trace):
       # The key's type without its placement: inside the program every value is
       # replica-local (a placed aval would name the global mesh).
-      key_aval = core.ShapedArray(tuple(key_before.shape), key_before.dtype)
+      key_aval = jax_compat.shaped_array(key_before.shape, key_before.dtype)
       key_in = trace.new_arg(key_aval, _source_info())
       # Every replica draws from the same key: xladist's per-replica draws take
       # each replica's rows of one global draw (_step/seeds.py).
       env.param.prng = key_in
       result = body()
       key_out = env.param.prng
-      out_tracers = [trace.to_jaxpr_tracer(t, _source_info()) for _, t, _ in st.outputs]
-      out_tracers.append(trace.to_jaxpr_tracer(key_out, _source_info()))
-      jaxpr, consts = trace.frame.to_jaxpr(trace, out_tracers, None, _source_info())
+      outs = [t for _, t, _ in st.outputs] + [key_out]
+      jaxpr, consts = jax_compat.close_trace(trace, outs)
   finally:
     _tls.step = None
     env.param.prng = key_before  # until the program has run
@@ -1022,18 +1018,17 @@ def _lift_float_literals(jaxpr, consts):
   the program, its text (the program's key) would change with the value and
   every step would compile anew. torch_xla passes such scalars as device data.
   """
-  from jax._src import core
-
+  literal = jax_compat.literal_type()
   jnp = _rt().jax.numpy
   lifted_vars, values = [], []
 
   def lift(atom):
-    if not isinstance(atom, core.Literal):
+    if not isinstance(atom, literal):
       return atom
     aval = atom.aval
     if getattr(aval, "shape", None) != () or not jnp.issubdtype(aval.dtype, jnp.inexact):
       return atom
-    var = core.Var(aval)
+    var = jax_compat.new_var(aval)
     lifted_vars.append(var)
     values.append(np.asarray(atom.val, dtype=aval.dtype))
     return var
@@ -1042,7 +1037,9 @@ def _lift_float_literals(jaxpr, consts):
   outvars = [lift(a) for a in jaxpr.outvars]
   if not lifted_vars:
     return jaxpr, consts
-  jaxpr = jaxpr.replace(constvars=list(jaxpr.constvars) + lifted_vars, eqns=eqns, outvars=outvars)
+  n = len(consts)  # the constants' variables are the first invars (jax_compat.close_trace)
+  invars = [*jaxpr.invars[:n], *lifted_vars, *jaxpr.invars[n:]]
+  jaxpr = jaxpr.replace(invars=invars, eqns=eqns, outvars=outvars)
   return jaxpr, list(consts) + values
 
 
@@ -1065,9 +1062,7 @@ class _Same:
 
 
 def _param_key(value):
-  from jax._src import core
-
-  if isinstance(value, (core.Jaxpr, core.ClosedJaxpr)):
+  if isinstance(value, jax_compat.closed_jaxpr_types()):
     return _Same(value)
   if isinstance(value, (tuple, list)):
     return tuple(_param_key(v) for v in value)
@@ -1084,12 +1079,11 @@ def _structure(jaxpr):
   parameters, sub-programs by identity. Equal structures are equal programs;
   a program seen under another structure (a sub-program traced anew) is found
   by its text (`_program_for`)."""
-  from jax._src import core
-
+  literal = jax_compat.literal_type()
   ids = {}
 
   def atom(a):
-    if isinstance(a, core.Literal):
+    if isinstance(a, literal):
       return ("literal", repr(a.val), a.aval)
     return ids.setdefault(a, len(ids))
 

@@ -6,8 +6,10 @@ autograd on torchax tensors. torchax 0.0.13 (pinned: its last release, June
 2026) gets that wrong in the places below; `install()` fixes each, once per
 process, and tests/runtime_jax/test_torchax_fixes.py checks every fix op by op against
 plain torch on the CPU (forward and backward), so that a torchax upgrade shows
-at once which fixes still hold. Checked with torch 2.9.0, jax 0.10.2 and torchax
-0.0.13 on XLA:CPU.
+at once which fixes still hold. Checked with torchax 0.0.13 on XLA:CPU with
+torch 2.9.0 + jax 0.10.2 and torch 2.14.1 + jax 0.12.0.1 (`make test-jax`).
+Fixes 3, 9 and 10 are lowerings of their own, in torchax_lowerings.py; on torch
+2.13+ torchax is imported through torchax_load.py.
 
 1. Autograd. torchax lowers some torch *functions* (`F.linear`, `einsum`,
    `F.pad`, attention, `__getitem__`, `F.max_pool2d`, ...) before autograd sees
@@ -49,12 +51,52 @@ at once which fixes still hold. Checked with torch 2.9.0, jax 0.10.2 and torchax
    torch's own, not lowered: torchax has no lowering for storage ops and its
    backward rules would get CPU tensors.
 
+8. Backward ops torchax does not lower, for which torch has a composite
+   form: `_weight_norm_interface_backward` (`nn.utils.parametrizations.
+   weight_norm`) runs as torch's `_weight_norm_differentiable_backward`
+   (its double-backward form, made of ordinary ops) inside torchax's mode.
+9. Average pooling: torchax's `avg_pool2d`/`avg_pool3d` lowering is wrong
+   with `ceil_mode=True` and no padding (the extra window is averaged over
+   the whole kernel, not over the part inside the input), and
+   `avg_pool2d_backward`/`avg_pool3d_backward` (also what `F.avg_pool1d`
+   becomes) have no lowering. Here the forward is a `reduce_window` sum
+   divided by torch's divisor (computed from the static shapes), and the
+   backward is its vjp. `_adaptive_avg_pool2d_backward` (and 3d) is the vjp
+   of torchax's own (correct) forward lowering.
+10. `nn.EmbeddingBag`: torchax's `_embedding_bag` lowering reads the offsets
+   on the host (`TracerArrayConversionError` inside a traced step), ignores
+   `per_sample_weights` and `include_last_offset`, and fails in "max" mode;
+   its backward ops have no lowering. Here the forward is a segment sum /
+   mean / max over bag ids found from the offsets on the device, and the
+   backward ops (`_embedding_bag_backward`, `_embedding_bag_dense_backward`,
+   `_embedding_bag_per_sample_weights_backward`) are written out from what
+   the forward saves (bag of each index, bag sizes, the arg-max rows).
+11. In-place view ops that change a tensor's shape (`transpose_`, `t_`,
+   `squeeze_`, `unsqueeze_`): torchax swaps the jax array but leaves the
+   tensor's sizes as torch's dispatcher sees them, so autograd expects the
+   old shape (`nn.GRU(batch_first=True)` failed in backward: "invalid
+   gradient ... expected shape compatible with"). Here the sizes are
+   updated as well.
+12. `torch.autocast("jax", dtype=torch.bfloat16)` (torchax names torch's
+   PrivateUse1 backend "jax") was silently a no-op: torchax tensors carry no
+   autocast dispatch key, and torchax casts only under its own
+   `torchax.amp.autocast`, below autograd (so a cast op's backward ran in
+   float32). While torch's autocast is on for "jax", a torch function named
+   in torch's CPU autocast lists (`linear`, `conv2d`, `matmul`, ...: torchax's
+   copy of them) gets its arguments cast in __torch_function__, where
+   autograd records the casts, as torch's autocast does; the aten ops
+   underneath run under torchax's autocast with torch's dtype (what a
+   function of another name, `F.cross_entropy`, becomes: `nll_loss` in
+   float32).
+
 Not here (the runtime's step handles it): the PRNG key, which torchax's
 `jax_jit` bakes in at trace time (the same dropout mask every step): the step
 takes a fresh key as an input.
 """
 
 import functools
+
+from xladist.runtime import torchax_lowerings
 
 _installed = []
 
@@ -85,7 +127,7 @@ _KEEP_LOWERED = {"to", "backward", "__get__", "__set__", "requires_grad_", "deta
 
 
 def _decomposed_ops():
-  """aten op -> torch's decomposition, for fixes 2 and 4."""
+  """aten op -> torch's decomposition, for fixes 2, 4 and 8."""
   from torch._decomp import decomposition_table
 
   aten = _aten()
@@ -96,74 +138,50 @@ def _decomposed_ops():
     aten._native_batch_norm_legit.default,
     aten._native_batch_norm_legit_functional.default,
   )
-  return {op: decomposition_table[op] for op in ops if op in decomposition_table}
-
-
-def _jax_of(t):
-  return t._elem
-
-
-def _conv_backward(
-  env,
-  grad_output,
-  input,
-  weight,
-  bias_sizes,
-  stride,
-  padding,
-  dilation,
-  transposed,
-  output_padding,
-  groups,
-  output_mask,
-):
-  """aten.convolution_backward as the vjp of torchax's convolution lowering."""
-  import jax
-  from torchax import tensor as txt
-  from torchax.ops import jaten
-
-  def forward(x, w):
-    return jaten._aten_convolution(
-      x, w, None, stride, padding, dilation, transposed, output_padding, groups
-    )
-
-  g = _jax_of(grad_output)
-  _, vjp = jax.vjp(forward, _jax_of(input), _jax_of(weight))
-  grad_input, grad_weight = vjp(g)
-  grad_bias = None
-  if output_mask[2]:
-    grad_bias = g.sum(axis=(0,) + tuple(range(2, g.ndim)))
-  out = (grad_input, grad_weight, grad_bias)
-  return tuple(
-    txt.Tensor(x, env) if (keep and x is not None) else None for x, keep in zip(out, output_mask)
+  table = {op: decomposition_table[op] for op in ops if op in decomposition_table}
+  # fix 8: torch's composite form of the same backward (ops torchax lowers)
+  table[aten._weight_norm_interface_backward.default] = (
+    aten._weight_norm_differentiable_backward.default.decompose
   )
+  return table
 
 
-def _max_pool2d_backward(
-  env, grad_output, input, kernel_size, stride, padding, dilation, ceil_mode, indices
-):
-  """aten.max_pool2d_with_indices_backward as the vjp of torchax's forward lowering."""
-  import jax
-  from torchax import tensor as txt
-  from torchax.ops import jaten
-
-  del indices  # the vjp finds the maxima itself (ties: as XLA's reduce-window)
-
-  def forward(x):
-    return jaten._aten_max_pool2d_with_indices(
-      x, kernel_size, list(stride) or list(kernel_size), padding, dilation, ceil_mode
-    )[0]
-
-  _, vjp = jax.vjp(forward, _jax_of(input))
-  (grad_input,) = vjp(_jax_of(grad_output))
-  return txt.Tensor(grad_input, env)
+# -- fix 11: in-place view ops -------------------------------------------------------------
 
 
-def _vjp_ops():
+def _set_sizes(t):
+  """Gives torchax tensor `t` the sizes of its jax array as torch's dispatcher
+  sees them (a torchax tensor is a wrapper over a "meta" tensor whose sizes
+  torchax sets once, when it makes it)."""
+  torch = _torch()
+  shape = tuple(t._elem.shape)
+  strides, step = [], 1
+  for size in reversed(shape):
+    strides.append(step)
+    step *= max(size, 1)
+  with torch._C._DisableTorchDispatch():
+    torch.Tensor.as_strided_(t, shape, tuple(reversed(strides)))
+
+
+def _inplace_view(functional):
+  def rule(self, *args, **kwargs):
+    out = functional(self, *args, **kwargs)  # lowered by torchax (the mode is on)
+    self._elem = out._elem
+    _set_sizes(self)
+    return self
+
+  return rule
+
+
+def _inplace_view_ops():
   aten = _aten()
   return {
-    aten.convolution_backward.default: _conv_backward,
-    aten.max_pool2d_with_indices_backward.default: _max_pool2d_backward,
+    aten.transpose_.default: _inplace_view(aten.transpose.int),
+    aten.t_.default: _inplace_view(aten.t.default),
+    aten.squeeze_.default: _inplace_view(aten.squeeze.default),
+    aten.squeeze_.dim: _inplace_view(aten.squeeze.dim),
+    aten.squeeze_.dims: _inplace_view(aten.squeeze.dims),
+    aten.unsqueeze_.default: _inplace_view(aten.unsqueeze.default),
   }
 
 
@@ -210,30 +228,85 @@ def _data_alias(self):
   return txt.Tensor(self._elem, self._env)
 
 
+# -- fix 12: torch.autocast("jax") ---------------------------------------------------------
+
+
+def _autocast_policy_by_name():
+  """torch function name ("linear", "conv2d", "mse_loss") -> torchax's cast
+  policy for the aten op of that name (torch's CPU autocast lists), for the
+  two policies applied above autograd."""
+  from torchax import amp
+
+  keep = (amp.CastPolicy.LOWER_PRECISION_FP, amp.CastPolicy.FP32)
+  return {
+    op.__name__.split(".")[0]: policy
+    for op, policy in amp.autocast_policy.items()
+    if policy in keep
+  }
+
+
+def _autocast_casts(policy, dtype, args, kwargs):
+  """The floating-point tensor arguments cast as torch's autocast casts them:
+  to `dtype` (LOWER_PRECISION_FP) or from a lower precision to float32 (FP32).
+  Done in __torch_function__, above autograd, the casts are recorded, so the
+  op's backward runs in the dtype its forward ran in, as with torch's autocast."""
+  import torch.utils._pytree as pytree
+  from torchax import amp
+
+  torch = _torch()
+  if policy is amp.CastPolicy.LOWER_PRECISION_FP:
+    cast = lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t  # noqa: E731
+  else:
+    low = (torch.bfloat16, torch.float16)
+    cast = lambda t: t.to(torch.float32) if t.dtype in low else t  # noqa: E731
+  return pytree.tree_map_only(torch.Tensor, cast, (args, kwargs))
+
+
 def install():
   """Applies the fixes to torchax (idempotent; imports torchax)."""
   if _installed:
     return
+  from xladist.runtime import torchax_load
+
+  torchax_load.load()  # before any `from torchax import`: torch 2.13+ lacks ops it names
   from torchax import tensor as txt
 
   torch = _torch()
   lowered_function = txt.XLAFunctionMode.__torch_function__
+  decomposed = _decomposed_ops()
+  lowered = torchax_lowerings.lowered_ops()
+  inplace_views = _inplace_view_ops()
+  fixed = {*decomposed, *lowered, *inplace_views}
+  fixed |= {op.overloadpacket for op in fixed}
+  autocast_policy = _autocast_policy_by_name()
 
   def torch_function(self, func, types, args=(), kwargs=None):
     kwargs = kwargs or {}
     if _host_only(txt, args, kwargs):
       with torch.utils._python_dispatch._disable_current_modes(), torch._C.DisableTorchFunction():
         return func(*args, **kwargs)  # fix 7
-    if (
-      torch.is_grad_enabled()
-      and txt._name_of_func(func) not in _KEEP_LOWERED
-      and _requires_grad_input(args, kwargs)
+    autocast = torch.is_autocast_enabled("jax")  # inside __torch_dispatch__ it reads False
+    if autocast and self.env.param.autocast_dtype is None:
+      with self.env.override_property(autocast_dtype=torch.get_autocast_dtype("jax")):
+        return torch_function(self, func, types, args, kwargs)  # fix 12
+    if autocast and txt._name_of_func(func) in autocast_policy:
+      policy = autocast_policy[txt._name_of_func(func)]
+      # Below every torch function mode: the jax runtime enables torchax for
+      # the whole process, so a user's `with torchax.default_env():` stacks this
+      # mode twice, and the inner one would lower the cast's `to` (_KEEP_LOWERED)
+      # where autograd does not record it (no gradient reached the weights).
+      with torch._C.DisableTorchFunction():
+        args, kwargs = _autocast_casts(policy, self.env.param.autocast_dtype, args, kwargs)
+    if isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) and func in fixed:
+      return func(*args, **kwargs)  # an aten op fixed below, called directly
+    if txt._name_of_func(func) not in _KEEP_LOWERED and (
+      autocast or (torch.is_grad_enabled() and _requires_grad_input(args, kwargs))
     ):
-      return func(*args, **kwargs)  # fix 1: autograd records it
+      # fix 1: autograd records it; fix 12: the aten ops it becomes get the
+      # autocast casts (torchax's function lowerings, `F.linear`, get none)
+      return func(*args, **kwargs)
     return lowered_function(self, func, types, args, kwargs)
 
-  decomposed = _decomposed_ops()
-  by_vjp = _vjp_ops()
   lowered_dispatch = txt.XLADispatchMode.__torch_dispatch__
 
   def torch_dispatch(self, func, types, args=(), kwargs=None):
@@ -244,11 +317,15 @@ def install():
       # model clones its storages) are torch's own (fix 7).
       with torch.utils._python_dispatch._disable_current_modes():
         return func(*args, **kwargs)
-    rule = by_vjp.get(func)
-    if rule is not None:  # fix 3
+    rule = lowered.get(func)
+    if rule is not None:  # fixes 3, 9 and 10 (torchax_lowerings.py)
       return rule(self.env, *args, **kwargs)
+    rule = inplace_views.get(func)
+    if rule is not None and isinstance(args[0], txt.Tensor):  # fix 11
+      with self:
+        return rule(*args, **kwargs)
     decomposition = decomposed.get(func)
-    if decomposition is not None:  # fixes 2 and 4: lowered op by op
+    if decomposition is not None:  # fixes 2, 4 and 8: lowered op by op
       with self:
         return decomposition(*args, **kwargs)
     return lowered_dispatch(self, func, types, args, kwargs)

@@ -223,6 +223,10 @@ def initialize():
         "start of the program."
       )
     xr.use_spmd()
+    from xladist.runtime import xla_lowerings
+
+    xla_lowerings.register()
+    _restore_torch_gru()
     _start_compile_cache(torch_xla, xr, device_type)
     _state = _Runtime(device_type, xr.global_runtime_device_count())
     return _state
@@ -830,4 +834,46 @@ def run_program(program, consts, inputs):
 def traced_step(body):
   """Runs a step's phases: torch_xla records them lazily; the program is cut
   and run at the next sync."""
-  return body()
+  with _torch_gru():
+    return body()
+
+
+def _restore_torch_gru():
+  """Gives `torch.nn.GRU` back to torch.
+
+  Importing torch_xla 2.9 replaces `torch.nn.GRU` with its scan-based subclass,
+  whose forward runs torch_xla's scan whatever the device: a GRU made after the
+  first strategy and run on the CPU (a reference model, an evaluation on the
+  host) failed ("Expected all tensors in the given list to be XLA tensors"). A
+  GRU made before, while torch_xla's class was in place, still works inside
+  steps (`_torch_gru`).
+  """
+  import torch
+
+  original = getattr(torch.nn.GRU, "_orig", None)
+  if original is not None:
+    torch.nn.GRU = original
+
+
+@contextlib.contextmanager
+def _torch_gru():
+  """torch's own GRU forward while a step is traced.
+
+  Importing torch_xla 2.9 replaces `torch.nn.GRU` with a scan-based subclass
+  (`torch_xla.experimental.gru.GRU`). Its scan traces the cell ahead of time
+  with fake tensors and AOT autograd, which reads values on the host inside a
+  step's manual region; torch's forward computes the same values (the time
+  loop unrolled into the step's program).
+  """
+  from torch.nn.modules import rnn
+  from torch_xla.experimental import gru
+
+  scan_forward = gru.GRU.__dict__.get("forward")
+  gru.GRU.forward = rnn.GRU.forward
+  try:
+    yield
+  finally:
+    if scan_forward is None:
+      del gru.GRU.forward
+    else:
+      gru.GRU.forward = scan_forward

@@ -309,11 +309,7 @@ class CentralStorageExtended(SPMDExtended):
     return twins
 
   def _host_variables(self):
-    for module in self._store.modules():
-      for tensors in (module._parameters, module._buffers):
-        for t in tensors.values():
-          if t is not None and t.device.type == "cpu":
-            yield t
+    return (t for t in self._store.tensors() if t.device.type == "cpu")
 
   def _back_unchanged(self, twins):
     """A failed step: every variable gets its host tensor back (nothing changed)."""

@@ -6,6 +6,7 @@ from xladist import context
 from xladist import runtime as _runtime
 from xladist._nest import leaf_name, tree_map_with_path
 from xladist._step import seeds
+from xladist._step.engine import single_threaded_autograd
 from xladist.extended import StrategyExtended
 from xladist.replica_context import ReplicaContext
 from xladist.strategy import Strategy
@@ -23,6 +24,8 @@ class SingleReplicaExtended(StrategyExtended):
     # The default strategy (device None) places nothing but still tracks what
     # its scope makes (variable_created_in_scope, tower_local_var_scope).
     self._store = VariableStore(self._place_variable if device is not None else lambda tensor: None)
+    if device is not None and device.type == _runtime.DEVICE_KIND:
+      seeds.register_device_module()
 
   def _place_variable(self, tensor):
     return None if tensor.device == self._device else self._place(tensor)
@@ -82,7 +85,8 @@ class SingleReplicaExtended(StrategyExtended):
     mode = context._Mode(strategy, replica_context=ReplicaContext(strategy))
     context.push(mode)
     try:
-      return fn(*args, **kwargs)
+      with single_threaded_autograd():
+        return fn(*args, **kwargs)
     finally:
       context.pop(mode)
 

@@ -145,6 +145,14 @@ class ParameterServerExtended(StrategyExtended):
     self._coordinator = None
     self._closed = False
 
+  def _copy_for(self, strategy):
+    raise NotImplementedError(
+      f"copy.deepcopy({_API}): the strategy is this chief's connection to the "
+      "cluster (its ps tasks hold the variables it made, its coordinator drives "
+      "the workers), which a second object cannot share safely. Pass the "
+      "strategy object itself where a copy was asked for."
+    )
+
   # -- TF's facts -----------------------------------------------------------------
   @property
   def parameter_devices(self):
