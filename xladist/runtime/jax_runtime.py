@@ -29,9 +29,11 @@ a step is traced by JAX while it runs:
   abort or a swallowed signal. xladist bounds its waits (`wait`): a collective
   whose peer died never returns in jax 0.10.
 
-Not on this runtime (each refused with an error that names it): several
-devices per replica (TPUStrategy's logical devices), replay of traced
-programs (steps are compiled by their program text instead), sharded
+Replay (replay.py) works here too: the runtime hands over the program a step
+ran and its inputs (`REPLAY_KIND = "program"`); across several processes it is
+off (every process must decide alike). Not on this runtime (each refused with
+an error that names it): several devices per replica (TPUStrategy's logical
+devices), CentralStorageStrategy, ParameterServerStrategy, sharded
 (torch.distributed.checkpoint) checkpoints.
 """
 
@@ -184,8 +186,8 @@ def _runtime_not_installed(e):
   return RuntimeError(
     f"xladist: the jax runtime ({chosen}) needs jax and torchax, which cannot be "
     f"imported here ({e}). Install a runtime: `pip install 'xladist[jax]'` (CPU) or "
-    "'xladist[cuda]' (NVIDIA GPU) for this one (`make venv-jax` builds such an "
-    "environment), or 'xladist[xla]' / 'xladist[tpu]' for torch_xla."
+    "'xladist[cuda]' (NVIDIA GPU) for this one (`make venv-jax` builds the CPU "
+    "one), or 'xladist[xla]' / 'xladist[tpu]' for torch_xla."
   )
 
 
