@@ -64,7 +64,17 @@ class StrategyExtended(abc.ABC):
     self._strategy_ref = strategy
     self.experimental_gradient_aggregation = ReduceOp.MEAN
     self._compile_watch = CompileWatch()
-    self._grouping = False  # experimental_run_steps is tracing its steps as one program
+    self._grouping = False  # steps are being traced as one program (`_one_program`)
+
+  @contextlib.contextmanager
+  def _one_program(self):
+    """While the steps of `experimental_run_steps` are traced as one program:
+    `strategy.run` does not end the step before it (`strategy._end_previous_step`)."""
+    self._grouping = True
+    try:
+      yield
+    finally:
+      self._grouping = False
 
   def _copy_for(self, strategy):
     """This object for `strategy`, a deep copy of its strategy (`Strategy.__deepcopy__`).
@@ -342,11 +352,8 @@ class StrategyExtended(abc.ABC):
     elif rest:
 
       def run_rest():
-        self._grouping = True  # the steps form one program: no cut between them
-        try:
+        with self._one_program():
           outputs.extend(self._strategy_ref.run(fn, args=args) for args in rest)
-        finally:
-          self._grouping = False
 
       if self._current_device().type == _runtime.DEVICE_KIND:
         # One trace for the steps (torch_xla: lazily, cut below; jax: one jaxpr).

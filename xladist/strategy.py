@@ -224,7 +224,7 @@ class Strategy(StrategyLegacy):
       not extended._in_region() and extended._current_device().type == _runtime.DEVICE_KIND
     )
     if on_device:
-      if not getattr(extended, "_grouping", False):
+      if not extended._grouping:
         _end_previous_step()
       extended._compile_watch.before_step(
         fn, args, kwargs, extended._store, lazy_state=getattr(extended, "_engine", None) is not None

@@ -179,7 +179,7 @@ class VariableStore:
         self._reported.add(id(module))
     self._pending = failed
     if error is not None:
-      raise RuntimeError(str(error)) from None
+      raise error
     return placed
 
   def place_module_of(self, tensor):
@@ -196,10 +196,7 @@ class VariableStore:
       if module is not None and any(
         t is tensor for t in (*module._parameters.values(), *module._buffers.values())
       ):
-        try:
-          self._place_module(module)
-        except _PlacementError as e:
-          raise RuntimeError(str(e)) from None
+        self._place_module(module)
         del self._pending[i]
         return
 

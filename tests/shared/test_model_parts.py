@@ -144,13 +144,17 @@ class _Recurrent(nn.Module):
 
 @pytest.mark.parametrize(
   "cell, kwargs",
-  [(nn.LSTM, {}), (nn.GRU, {}), (nn.LSTM, {"bidirectional": True}), (nn.RNN, {})],
+  [("LSTM", {}), ("GRU", {}), ("LSTM", {"bidirectional": True}), ("RNN", {})],
   ids=["lstm", "gru", "bi-lstm", "rnn-tanh"],
 )
 def test_recurrent_layers(strategy, cell, kwargs):
   """custom_training_loop_models_test.py testRNNModel: an RNN (LSTM) model trains
   in a replica function. torch's RNN modules keep weak references to their
-  weights, which a move to the strategy's devices must rebuild."""
+  weights, which a move to the strategy's devices must rebuild. The class is
+  looked up after the strategy started, as a user's model is made: importing
+  torch_xla replaces `nn.GRU` (with a class that fails on the CPU reference)
+  until xladist's runtime starts and gives it back."""
+  cell = getattr(nn, cell)
   model = assert_trains_like_one_device(strategy, lambda: _Recurrent(cell, **kwargs), _seq)
   # The module's flat weight list holds the strategy's (moved) parameters.
   assert all(a is b for a, b in zip(model.rnn._flat_weights, model.rnn.parameters()))

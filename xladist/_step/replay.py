@@ -642,16 +642,15 @@ class Replayer:
     if attempt.args is not None:
       args_list = attempt.args
     strategy = self._extended._strategy_ref
-    # One program: `strategy.run` does not end the steps before it here.
-    self._in_group = self._extended._grouping = True
+    self._in_group = True
     try:
-      with seeds.STEP_SEEDS.chained() as starts:
+      with self._extended._one_program(), seeds.STEP_SEEDS.chained() as starts:
         outs = [strategy.run(fn, args=args) for args in args_list]
     except BaseException:
       attempt.abandon()
       raise
     finally:
-      self._in_group = self._extended._grouping = False
+      self._in_group = False
     program = group.program
     outs = attempt.finish(outs)
     if group.program is not program:  # analysed or captured now: where its steps' seeds start

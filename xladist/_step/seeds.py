@@ -448,7 +448,7 @@ class _DrawLog:
   of the same program; reaching the end of the log draws anew.
   """
 
-  def __init__(self, mode=None):
+  def __init__(self, mode):
     self.draws = []  # (replica-local shape, the replica's random numbers)
     self.position = 0
     self.mode = mode  # the step's TorchFunctionMode (StepTensors), which draws
@@ -466,7 +466,7 @@ class _DrawLog:
     """
     self.position = position
     if position < len(self.draws):
-      if self.mode is not None and not self.pushed and not _mode_active(self.mode):
+      if not self.pushed and not _mode_active(self.mode):
         self.mode.__enter__()
         self.pushed = True
     elif self.pushed:
@@ -518,10 +518,7 @@ def _active_log():
   region = getattr(ctx, "_region", None) if ctx is not None else None
   if region is None or not region.active:
     return None
-  log = _DRAW_LOGS.get(region)
-  if log is None:
-    log = _DRAW_LOGS[region] = _DrawLog()
-  return log
+  return _DRAW_LOGS.get(region)  # the engine starts one per traced step (`watch_draws`)
 
 
 # The RNG-state bytes of the device module below: a tag, then 8 bytes: a seed
