@@ -33,6 +33,12 @@ What is compared
     xladist variant above passes RunOptions(experimental_replay=False): it is
     the traced step ("replay off").
 
+  * AdamW + cosine (--no-adamw skips it): torch's default AdamW with a
+    CosineAnnealingLR stepped after every step, the loop most users run, as
+    xladist's default (replay, on a MirroredStrategy of its own) and written by
+    hand in torch_xla (as hand-written above). Their parameters agree to float32
+    rounding (xladist keeps AdamW's step counter on the device, capturable).
+
   All of them do the same math (the mean of the per-replica mean losses is the
   global mean loss), so their parameters must agree after the same number of
   steps; the script checks that (replay against traced xladist: bit for bit).
@@ -159,6 +165,19 @@ def make_data(name, n, b, seq, generator):
 # -- the two variants ----------------------------------------------------------
 
 LR, MOMENTUM = 0.01, 0.9
+ADAMW_LR, COSINE_STEPS = 1e-3, 1000
+
+
+def make_optimizer(params, loop):
+  """(optimizer, scheduler or None) of a loop: "sgd" (SGD with momentum, constant
+  learning rate) or "adamw-cosine" (torch's default AdamW, a CosineAnnealingLR
+  stepped after every step: the loop most users run)."""
+  if loop == "sgd":
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM), None
+  opt = torch.optim.AdamW(params, lr=ADAMW_LR)
+  return opt, torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=COSINE_STEPS)
+
+
 perf = time.perf_counter
 TRACE = xd.RunOptions(experimental_replay=False)  # the traced xladist variant
 REPLAY = xd.RunOptions(experimental_replay=True)  # the replay variant
@@ -167,12 +186,12 @@ REPLAY = xd.RunOptions(experimental_replay=True)  # the replay variant
 class XladistVariant:
   name = "xladist"
 
-  def __init__(self, strategy, factory, state, x, y, b):
+  def __init__(self, strategy, factory, state, x, y, b, loop="sgd"):
     self.strategy = strategy
     with strategy.scope():
       self.model = factory()
       self.model.load_state_dict(state)
-      self.opt = torch.optim.SGD(self.model.parameters(), lr=LR, momentum=MOMENTUM)
+      self.opt, self.sched = make_optimizer(self.model.parameters(), loop)
     model, opt = self.model, self.opt
     cpu = [name for name, p in model.named_parameters() if p.device.type != "xla"]
     if cpu:
@@ -197,6 +216,8 @@ class XladistVariant:
   def step(self):
     """One step; returns perf_counter() at the end of tracing (before sync)."""
     self.strategy.run(self._fn, args=(self.xb, self.yb), options=TRACE)
+    if self.sched is not None:
+      self.sched.step()
     t = perf()
     _runtime.sync()
     return t
@@ -212,13 +233,15 @@ class ReplayVariant(XladistVariant):
 
   def step(self):
     self.strategy.run(self._fn, args=(self.xb, self.yb), options=REPLAY)
+    if self.sched is not None:
+      self.sched.step()
     return perf()
 
 
 class HandWrittenVariant:
   name = "hand-written"
 
-  def __init__(self, factory, state, x, y, n):
+  def __init__(self, factory, state, x, y, n, loop="sgd"):
     import torch_xla
     import torch_xla.distributed.spmd as xs
 
@@ -227,7 +250,7 @@ class HandWrittenVariant:
     model = factory()
     model.load_state_dict(state)
     self.model = model.to("xla")  # parameters: replicated (the SPMD default)
-    self.opt = torch.optim.SGD(self.model.parameters(), lr=LR, momentum=MOMENTUM)
+    self.opt, self.sched = make_optimizer(self.model.parameters(), loop)
     self.x = x.to("xla")
     self.y = y.to("xla")
     xs.mark_sharding(self.x, mesh, ("data",) + (None,) * (x.dim() - 1))
@@ -239,6 +262,8 @@ class HandWrittenVariant:
     self.opt.zero_grad()
     loss.backward()
     self.opt.step()
+    if self.sched is not None:
+      self.sched.step()
     t = perf()
     self._sync()
     return t
@@ -419,7 +444,12 @@ def profile_text(variant, steps, top, model):
   return "\n".join(out)
 
 
-def bench_model(name, strategy, replay_strategy, args):
+def _named(variant, name):
+  variant.name = name
+  return variant
+
+
+def bench_model(name, strategy, replay_strategy, args, adamw_strategy=None):
   n, b = strategy.num_replicas_in_sync, args.batch
   factory = MODELS[name]
   torch.manual_seed(0)
@@ -433,6 +463,13 @@ def bench_model(name, strategy, replay_strategy, args):
     HandManualVariant(factory, state, x, y, n),
     ReplayVariant(replay_strategy, factory, state, x, y, b),
   )
+  if adamw_strategy is not None:  # the AdamW + cosine loop: default replay vs hand-written
+    variants += (
+      _named(HandWrittenVariant(factory, state, x, y, n, loop="adamw-cosine"), "hw-adamw"),
+      _named(
+        ReplayVariant(adamw_strategy, factory, state, x, y, b, loop="adamw-cosine"), "replay-adamw"
+      ),
+    )
   nparams = len(list(variants[1].model.parameters()))
   for v in variants:
     for _ in range(args.warmup):
@@ -461,6 +498,16 @@ def bench_model(name, strategy, replay_strategy, args):
   rp_p = [p.detach().cpu() for p in variants[3].model.parameters()]
   diff_replay = max(float((p - q).abs().max()) for p, q in zip(xd_p, rp_p))
   replayer = replay_strategy.extended._engine._replayer
+  adamw = None
+  if adamw_strategy is not None:
+    hw_a = [p.detach().cpu() for p in variants[4].model.parameters()]
+    rp_a = [p.detach().cpu() for p in variants[5].model.parameters()]
+    counts = adamw_strategy.extended.experimental_replay_counts
+    adamw = dict(
+      diff=max(float((p - q).abs().max()) for p, q in zip(hw_a, rp_a)),
+      moved=max(float((p - q).abs().max()) for p, q in zip(hw_a, init)),
+      replayed=(counts["replayed"], counts["traced"]),
+    )
   moved = max(float((p - q).abs().max()) for p, q in zip(hw_p, init))
   scale = max(float(p.abs().max()) for p in hw_p)
 
@@ -479,6 +526,7 @@ def bench_model(name, strategy, replay_strategy, args):
     scale=scale,
     steps_each=steps_each,
     warm_s=warm_s,
+    adamw=adamw,
     prof=prof,
   )
 
@@ -555,6 +603,28 @@ def report(results):
         for what, ratio, bound in checks
       )
     )
+  if any(res["adamw"] for res in results):
+    print(
+      "\nAdamW + cosine (torch's default AdamW, CosineAnnealingLR stepped after every "
+      "step): xladist's default (replay) against the same loop written by hand in "
+      "torch_xla. Target (issue 32): wall <= 0.5x.\n"
+    )
+    print(
+      "| model | replay wall ms | hand-written wall ms | wall ratio | replay host ms "
+      "| hand-written host ms | host ratio | steps replayed / traced | max param diff |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for res in results:
+      if not res["adamw"]:
+        continue
+      r, h = res["recs"]["replay-adamw"], res["recs"]["hw-adamw"]
+      wr, wh, hr, hh = med(r.wall), med(h.wall), med(r.iso_host), med(h.iso_host)
+      replays, traces = res["adamw"]["replayed"]
+      print(
+        f"| {res['name']} | {wr:.2f} | {wh:.2f} | {wr / wh:.3f} | {hr:.2f} | {hh:.2f} "
+        f"| {hr / hh:.3f} | {replays} / {traces} | {res['adamw']['diff']:.3g} "
+        f"(moved {res['adamw']['moved']:.3g}) |"
+      )
   for res in results:
     replays, traces = res["replayed"]
     print(
@@ -875,6 +945,11 @@ def main(argv=None):
   )
   parser.add_argument("--top", type=int, default=25, help="rows per profile listing")
   parser.add_argument(
+    "--no-adamw",
+    action="store_true",
+    help="skip the AdamW + cosine loop (its two variants: default replay, hand-written)",
+  )
+  parser.add_argument(
     "--jax-python",
     default=os.environ.get("XLADIST_JAX_PYTHON", JAX_PYTHON),
     help="a Python with jax for the JAX row (default: $XLADIST_JAX_PYTHON, else "
@@ -886,6 +961,7 @@ def main(argv=None):
   t_start = perf()
   strategy = xd.MirroredStrategy()  # first: puts torch_xla in SPMD mode
   replay_strategy = xd.MirroredStrategy()
+  adamw_strategy = None if args.no_adamw else xd.MirroredStrategy()
   import torch_xla
 
   print(
@@ -899,7 +975,7 @@ def main(argv=None):
   )
   results = []
   for name in args.models.split(","):
-    results.append(bench_model(name, strategy, replay_strategy, args))
+    results.append(bench_model(name, strategy, replay_strategy, args, adamw_strategy))
     gc.collect()  # the variants are gone: the next model's steps trace only its own
   report(results)
   mlp = next((r for r in results if r["name"] == "mlp"), None)

@@ -352,6 +352,7 @@ def main():
       saved.append(manager.save(checkpoint_number=step))
     bar.update(1)
   bar.close()
+  counts = strategy.extended.experimental_replay_counts  # the training steps'
   if "first_step" in clock.marks:
     print(clock.report())
   for path in saved:
@@ -375,6 +376,10 @@ def main():
   if args.sample:
     print("sample:")
     print(sample(model, args, length=args.sample))
+  print(
+    f"training steps: {counts['traced']} traced, {counts['replayed']} replayed "
+    "(a replayed step runs its compiled program without tracing train_step)"
+  )
   print(f"time (start to end): {time.perf_counter() - T0:.1f} s")
   if args.summary:
     with open(args.summary, "w") as f:
@@ -388,6 +393,8 @@ def main():
           "vocab": VOCAB,
           "checkpoints_saved": saved,
           "checkpoints_kept": manager.checkpoints,
+          "steps_traced": counts["traced"],
+          "steps_replayed": counts["replayed"],
         },
         f,
         indent=2,

@@ -17,8 +17,15 @@ What this demo shows:
   is padded to the full size (the compiled program stays the same) and every
   element comes with a 0/1 mask of its real rows, so the held-out accuracy is
   exactly correct / total over the real examples.
-* Cross-replica results with `strategy.reduce(...)`, kept on the device and read
-  back to the host rarely (once per epoch for the loss, once for the accuracy).
+* Metrics as TF's custom loops keep them: sync-on-read variables
+  (`xd.Variable(..., synchronization="ON_READ", aggregation="SUM")`) that each
+  replica adds to inside the step, read (summed over the replicas) back to the
+  host rarely: once per epoch for the loss, once for the accuracy. Being
+  part of the step, they add nothing to its program count: a value computed
+  after `strategy.run` returned (`total + strategy.reduce(...)`) is a program
+  of its own.
+* Replay: from its third step `strategy.run` runs the step's compiled program
+  again without tracing `train_step` (README, "Replay").
 * How few XLA compilations the whole run needs (torch_xla compiles once per
   distinct graph, not once per step), and the time from the script's start to
   the end of its first training step, with the state of the persistent
@@ -196,58 +203,56 @@ def main():
   with strategy.scope():
     model = Net()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    # Each replica adds its own part inside the step; read outside, they are summed.
+    loss_sum = xd.Variable(0.0, synchronization="ON_READ", aggregation="SUM", name="loss_sum")
+    correct_sum = xd.Variable(0.0, synchronization="ON_READ", aggregation="SUM", name="correct")
+    count_sum = xd.Variable(0.0, synchronization="ON_READ", aggregation="SUM", name="count")
 
   def train_step(x, y):
     loss = F.cross_entropy(model(on_cores(x)), y)
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()  # gradients are mean-all-reduced across replicas first
+    loss_sum.assign_add(loss.detach() / n)  # summed over the replicas: the mean loss
     return loss
 
   def eval_step(inputs, mask):
     x, y = inputs
     with torch.no_grad():
       pred = model(on_cores(x)).argmax(dim=1)
-    correct = ((pred == y).float() * mask).sum()
-    return correct, mask.sum()
-
-  def zeros():
-    # An accumulator already on the device, so that every step's graph (step +
-    # reduce + accumulate) is the same and compiles once.
-    return strategy.extended.broadcast_to(torch.zeros(()), strategy.extended.worker_devices[0])
+    correct_sum.assign_add(((pred == y).float() * mask).sum())
+    count_sum.assign_add(mask.sum())
 
   # -- training ---------------------------------------------------------------------
   bar = progress(steps_per_epoch * args.epochs, "train")
   for epoch in range(args.epochs):
-    epoch_loss = zeros()  # summed on the device, read once per epoch
+    before = float(loss_sum.value)  # the running sum, read once per epoch
     for x, y in train_dist:  # a new epoch: the DataLoader reshuffles
-      per_replica_loss = strategy.run(train_step, args=(x, y))
-      # The next strategy.run ends this step (step, reduce and sum: one program).
-      epoch_loss = epoch_loss + strategy.reduce("mean", per_replica_loss, axis=None)
+      strategy.run(train_step, args=(x, y))
       if "first_step" not in clock.marks:
-        epoch_loss.item()  # a read: waits until the first step has finished
+        float(loss_sum.value)  # a read: waits until the first step has finished
         clock.first_step_done()
         if args.first_step_only:
           bar.close()
           print(clock.report())
           return
       bar.update(1)
-    bar.set_postfix(epoch=epoch + 1, loss=f"{epoch_loss.item() / steps_per_epoch:.4f}")
+    epoch_loss = (float(loss_sum.value) - before) / steps_per_epoch
+    bar.set_postfix(epoch=epoch + 1, loss=f"{epoch_loss:.4f}")
   bar.close()
 
   # -- evaluation: the padding of the last batch is masked out ----------------------
-  correct_total, count_total = zeros(), zeros()
   for inputs, mask in test_dist:
-    correct, count = strategy.run(eval_step, args=(inputs, mask))
-    correct_total = correct_total + strategy.reduce("sum", correct, axis=None)
-    count_total = count_total + strategy.reduce("sum", count, axis=None)
-  correct_total, count_total = int(correct_total.item()), int(count_total.item())
+    strategy.run(eval_step, args=(inputs, mask))
+  correct_total, count_total = int(correct_sum.value), int(count_sum.value)
   if count_total != len(test_data):
     sys.exit(f"error: evaluated {count_total} examples, expected {len(test_data)}")
   accuracy = correct_total / count_total
 
   print(f"held-out accuracy: {accuracy:.4f} ({correct_total}/{count_total})")
+  counts = strategy.extended.experimental_replay_counts
   print(f"XLA compilations: {compile_count()}")
+  print(f"steps: {counts['traced']} traced, {counts['replayed']} replayed")
   print(clock.report())
   print(f"time (start to end): {time.perf_counter() - T0:.1f} s")
   if accuracy < TARGET_ACCURACY:

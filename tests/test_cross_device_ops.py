@@ -23,6 +23,9 @@ IMPLEMENTATIONS = {
   "one_device": lambda: xd.ReductionToOneDevice(),
 }
 
+# Traced and left lazy (replay off for this run): its program's HLO is readable.
+LAZY = xd.RunOptions(experimental_replay=False)
+
 
 def _all_reduces(hlo):
   return len(re.findall(r" all-reduce\(", hlo))
@@ -188,7 +191,7 @@ def _all_reduce_200(strategy, options=None, merge=False):
       )
     return ctx.all_reduce("sum", ts, options)
 
-  out = strategy.run(fn)
+  out = strategy.run(fn, options=LAZY)
   return out, _runtime.hlo_text([o._stacked for o in out])
 
 
@@ -242,7 +245,7 @@ def test_num_packs_per_dtype():
     ts = [rid.float() + i for i in range(6)] + [rid + i for i in range(6)] + [rid.double()]
     return ctx.all_reduce("sum", ts)
 
-  out = strategy.run(fn)
+  out = strategy.run(fn, options=LAZY)
   # f32: 2 packs, s32: 2 packs, f64: one tensor, one all-reduce.
   assert _all_reduces(_runtime.hlo_text([o._stacked for o in out])) == 5
   assert [int(v) for v in local_values(strategy, out[8])] == [6 + 4 * 2] * N
@@ -281,7 +284,7 @@ def test_training_step_of_100_tensors_has_at_most_its_pack_count(ops, limit):
   x = strategy.experimental_distribute_values_from_function(
     lambda c: torch.randn(2, 4, generator=torch.Generator().manual_seed(c.replica_id_in_sync_group))
   )
-  strategy.run(step, args=(x,))
+  strategy.run(step, args=(x,), options=LAZY)
   hlo = _runtime.hlo_text(list(model.parameters()))
   assert 1 <= _all_reduces(hlo) <= limit
   _runtime.sync()
@@ -297,7 +300,7 @@ def test_per_tensor_all_reduce_of_a_training_step():
     model(x).sum().backward()
     opt.step()
 
-  strategy.run(step, args=(torch.ones(2, 4),))
+  strategy.run(step, args=(torch.ones(2, 4),), options=LAZY)
   assert _all_reduces(_runtime.hlo_text(list(model.parameters()))) == 10
   _runtime.sync()
 
@@ -593,7 +596,9 @@ def test_batch_reduce_of_run_outputs_is_packed(ops, reductions):
   strategy = xd.MirroredStrategy(cross_device_ops=ops)
   arrays = _numpy_values(4)
   outs = strategy.run(
-    lambda v: [v[0] * i for i in range(20)] + [v[2]], args=(_per_replica(strategy, arrays),)
+    lambda v: [v[0] * i for i in range(20)] + [v[2]],
+    args=(_per_replica(strategy, arrays),),
+    options=LAZY,
   )
   host = xd.PerReplica([torch.tensor([float(r)]) for r in range(N)])  # reduced on its own
   pairs = [(o, "xla:0") for o in outs] + [(host, "cpu")]

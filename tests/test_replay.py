@@ -170,10 +170,10 @@ def _compare(monkeypatch, min_replays=4, **kw):
 
 def test_sgd_momentum_weight_decay_is_bit_identical(monkeypatch):
   rep = _compare(monkeypatch, make_opt=_sgd, steps=8)
-  # Step 1 makes the momentum buffers; step 2 is traced and analysed (left lazy,
-  # as without replay), step 3 captured (compiled, run) and found the same:
-  # steps 4-8 are replayed.
-  assert (rep.traces, rep.captures, rep.replays) == (3, 1, 5), list(rep.reasons)
+  # Step 1 makes the momentum buffers (run at the end of its run); step 2 is
+  # captured (compiled and run at once), step 3 captured again (the same
+  # program: no compilation) and found the same: steps 4-8 are replayed.
+  assert (rep.traces, rep.captures, rep.replays) == (3, 2, 5), list(rep.reasons)
 
 
 def test_adam_capturable_is_bit_identical(monkeypatch):
@@ -316,9 +316,9 @@ def test_a_replayed_step_compiles_nothing_and_is_one_execution(strategy):
   _runtime.wait()
   assert _runtime.execute_count() == executions
   # The traced steps compiled step 1's program (it makes the momentum
-  # buffers), step 2's (run by the sync, as without replay) and the captured
-  # program of step 3 (the same computation, compiled for replay).
-  assert strategy.extended.experimental_compile_count == 3
+  # buffers) and step 2's, captured; step 3's capture found that program
+  # compiled: replay adds no compilation (issue 32).
+  assert strategy.extended.experimental_compile_count == 2
 
 
 def _warm_square_step(strategy, width, depth, rows):
@@ -468,8 +468,8 @@ def _changes():
     c["fn"] = lambda x, y: base(x, y)
 
   return {
-    "lr": (set_lr, "'lr' changed value: 0.1 -> 0.05"),
-    "momentum": (set_momentum, "'momentum' changed value: 0.9 -> 0.5"),
+    "lr": (set_lr, "hyperparameter 'lr' changed for the first time"),
+    "momentum": (set_momentum, "hyperparameter 'momentum' changed for the first time"),
     "global flag": (set_flag, "global 'SCALE' changed value: 1.0 -> 3.0"),
     "closure": (set_closure, "fn's closure variable 'factor' changed value: 1.0 -> 2.0"),
     "batch shape": (new_batch, "changed shape"),
@@ -579,10 +579,12 @@ def test_a_variable_written_outside_a_step_is_seen(monkeypatch):
       assert any("written outside a step" in r for _, r in rep.reasons), list(rep.reasons)
 
 
-def test_a_learning_rate_set_at_every_step_is_traced_without_capture(monkeypatch):
-  """A key that changes at every step (a float learning rate of a scheduler)
-  would be captured for nothing: after 3 such steps they are traced as
-  without replay, and replay resumes once the value settles."""
+def test_a_learning_rate_set_at_every_step_is_replayed(monkeypatch):
+  """A float learning rate set at every step (by hand here; a scheduler does
+  the same) is an input of the replayed program, not part of its key (issue
+  32): steps 2 and 3 are captured (the value differs between them, so the
+  input is confirmed), every later step replayed with its own rate, and the
+  results equal re-tracing bit for bit."""
 
   def run(replay):
     monkeypatch.setenv("XLADIST_REPLAY", "1" if replay else "0")
@@ -598,7 +600,7 @@ def test_a_learning_rate_set_at_every_step_is_traced_without_capture(monkeypatch
       opt.zero_grad()
       loss.backward()
       opt.step()
-      return loss
+      return loss, opt.param_groups[0]["lr"]
 
     outs = []
     for i, (x, y) in enumerate(zip(xs, ys)):
@@ -611,9 +613,9 @@ def test_a_learning_rate_set_at_every_step_is_traced_without_capture(monkeypatch
   want, want_state, _ = run(False)
   _exact(got, want)
   _exact(got_state, want_state)
-  assert rep.captures == 2, list(rep.reasons)  # steps 9 and 10 (step 8's key again)
-  assert rep.replays == 2  # steps 11 and 12
-  assert any("the key changed at each of the last 4 steps" in r for _, r in rep.reasons)
+  assert [lr for _, lr in got] == [0.1 / (1 + min(i, 7)) for i in range(12)]  # returned, current
+  assert all(type(lr) is float for _, lr in got)  # plain floats, replayed or traced
+  assert (rep.traces, rep.captures, rep.replays) == (3, 2, 9), list(rep.reasons)
 
 
 def test_a_tensor_fn_reads_by_name_is_read_at_every_replay(monkeypatch):
@@ -657,19 +659,109 @@ def test_a_tensor_fn_reads_by_name_is_read_at_every_replay(monkeypatch):
 # -- what is never replayed --------------------------------------------------------------------
 
 
-def test_default_adam_is_never_replayed_and_says_why(monkeypatch, caplog):
+def test_default_adam_is_replayed_and_checkpoints_in_torch_format(monkeypatch):
+  """torch's default Adam keeps its step counter on the host; under a strategy
+  xladist keeps it on the device (capturable), so the step replays (issue 32),
+  bit for bit as re-tracing, and its state_dict is torch's default format."""
+  make = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731
+  got, state, rep = _train(monkeypatch, True, make, steps=6)
+  want, want_state, _ = _train(monkeypatch, False, make, steps=6)
+  _exact(got, want)
+  _exact(state, want_state)
+  assert (rep.traces, rep.replays) == (3, 3), list(rep.reasons)
+  monkeypatch.delenv("XLADIST_REPLAY")
+  _reset_seeds()
+  strategy = xd.MirroredStrategy()
+  with strategy.scope():
+    model = _mlp()
+    opt = make(model.parameters())
+  x, y = _data(1)
+  ref_model = _mlp()
+  ref_model.load_state_dict({k: v.cpu() for k, v in model.state_dict().items()})
+  ref = make(ref_model.parameters())
+
+  def step(x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+  for _ in range(3):
+    strategy.run(step, args=(_split(strategy, x[0]), _split(strategy, y[0])))
+    F.cross_entropy(ref_model(x[0]), y[0]).backward()
+    ref.step()
+    ref.zero_grad()
+  saved, expected = opt.state_dict(), ref.state_dict()
+  assert saved["param_groups"] == expected["param_groups"]  # capturable False, as made
+  assert opt.param_groups[0]["capturable"] is True  # on the device while it trains
+  for i, entry in expected["state"].items():
+    assert saved["state"][i].keys() == entry.keys()
+    assert saved["state"][i]["step"].device.type == "cpu"
+    assert saved["state"][i]["step"].dtype == entry["step"].dtype
+    assert saved["state"][i]["step"].item() == entry["step"].item() == 3.0
+    torch.testing.assert_close(
+      saved["state"][i]["exp_avg"].cpu(), entry["exp_avg"], rtol=1e-5, atol=1e-7
+    )
+  assert _runtime.is_device_tensor(opt.state[opt.param_groups[0]["params"][0]]["step"])
+  # Loading torch's format puts the counters back on the device: the next steps replay.
+  opt.load_state_dict(expected)
+  assert opt.param_groups[0]["capturable"] is True
+  assert _runtime.is_device_tensor(opt.state[opt.param_groups[0]["params"][0]]["step"])
+  for _ in range(4):
+    strategy.run(step, args=(_split(strategy, x[0]), _split(strategy, y[0])))
+    F.cross_entropy(ref_model(x[0]), y[0]).backward()
+    ref.step()
+    ref.zero_grad()
+  assert _replayer(strategy).replays >= 1, list(_replayer(strategy).reasons)
+  for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+    torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_an_optimizer_with_host_state_is_refused_once_and_says_why(monkeypatch, caplog):
+  """Adagrad has no capturable option: its step counter lives on the host, so
+  its steps are never replayed; the reason names it and the way out, once."""
   monkeypatch.setenv("XLADIST_REPLAY_DEBUG", "1")
   caplog.set_level(logging.WARNING, logger="xladist")
-  _, state, rep = _train(monkeypatch, True, lambda p: torch.optim.Adam(p, lr=1e-2), steps=6)
-  _, want, _ = _train(monkeypatch, False, lambda p: torch.optim.Adam(p, lr=1e-2), steps=6)
+  make = lambda p: torch.optim.Adagrad(p, lr=1e-2)  # noqa: E731
+  _, state, rep = _train(monkeypatch, True, make, steps=6)
+  _, want, _ = _train(monkeypatch, False, make, steps=6)
   _exact(state, want)
   assert rep.replays == 0 and rep.captures == 0
   lines = [r.getMessage() for r in caplog.records if "xladist replay" in r.getMessage()]
+  refused = [line for line in lines if "not captured: Adagrad keeps state" in line]
+  assert len(refused) == 1, lines
+  assert "has no capturable option" in refused[0] and "XLADIST_REPLAY_DEBUG" not in refused[0]
+  assert any("traced: not replayable: Adagrad keeps" in line for line in lines), lines
+
+
+def test_a_scheduler_stepped_inside_fn_is_refused_with_the_fix(monkeypatch, caplog, strategy):
+  monkeypatch.setenv("XLADIST_REPLAY_DEBUG", "1")
+  caplog.set_level(logging.WARNING, logger="xladist")
+  with strategy.scope():
+    model = _mlp()
+    opt = _sgd(model.parameters())
+  sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+  x, y = _data(1)
+
+  def step(x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    sched.step()
+    return loss
+
+  for _ in range(5):
+    strategy.run(step, args=(_split(strategy, x[0]), _split(strategy, y[0])))
+  assert _replayer(strategy).replays == 0
+  assert opt.param_groups[0]["lr"] == 0.1 * 0.5**5  # stepped by every traced step
+  assert type(opt.param_groups[0]["lr"]) is float
+  lines = [r.getMessage() for r in caplog.records if "not captured" in r.getMessage()]
   assert any(
-    "Adam keeps state[...]['step'] outside the XLA device" in line and "capturable=True" in line
+    "SGD.param_groups[0]['lr']" in line and "call scheduler.step() after strategy.run" in line
     for line in lines
   ), lines
-  assert any("traced: not replayable: Adam keeps" in line for line in lines), lines
 
 
 def test_opt_out_with_run_options_and_the_environment(monkeypatch, strategy):
@@ -740,13 +832,15 @@ def test_debug_flag_says_why_each_step_was_traced(monkeypatch, caplog, strategy)
   assert "step 1 not captured: the step created state" in lines[1]
   (line,) = [line for line in lines if "step 5 " in line]
   assert line == (
-    "xladist replay: step 5 traced: new signature: optimizer 0 group 0 'lr' changed value: "
-    "0.1 -> 0.01"
+    "xladist replay: step 5 traced: optimizer hyperparameter 'lr' changed for the first "
+    "time since the step was captured (traced once to confirm that it is an input of the "
+    "program)"
   )
   assert not any("step 4 " in line for line in lines)  # replayed
+  assert not any("step 6 " in line for line in lines)  # replayed with the new lr
 
 
-def test_central_storage_and_logical_devices_are_traced_and_say_why(monkeypatch):
+def test_central_storage_is_traced_and_says_why(monkeypatch):
   central = xd.experimental.CentralStorageStrategy()
   with central.scope():
     model = _mlp()
@@ -764,20 +858,48 @@ def test_central_storage_and_logical_devices_are_traced_and_say_why(monkeypatch)
     central.run(step, args=(x,))
   rep = _replayer(central)
   assert rep.replays == 0
-  assert "CentralStorageExtended does its own work" in rep.reasons[-1][1]
+  assert "runs the optimizer on the host after each step's program" in rep.reasons[-1][1]
 
-  da = xd.experimental.DeviceAssignment.build(computation_shape=[2], num_replicas=2)
-  tpu = xd.TPUStrategy(experimental_device_assignment=da)
-  with tpu.scope():
-    model = _mlp()
-    opt = _sgd(model.parameters())
-  x = tpu.experimental_distribute_values_from_function(lambda ctx: torch.ones(B, 8))
-  for _ in range(4):
-    tpu.run(step, args=(x,))
+
+def test_logical_devices_replay_bit_identical_to_retracing(monkeypatch):
+  """TPUStrategy with 2 logical devices per replica (issue 32): AdamW with a
+  cosine schedule and dropout replays, equal to re-tracing bit for bit."""
+
+  def run(replay):
+    monkeypatch.setenv("XLADIST_REPLAY", "1" if replay else "0")
+    _reset_seeds()
+    da = xd.experimental.DeviceAssignment.build(computation_shape=[2], num_replicas=2)
+    tpu = xd.TPUStrategy(experimental_device_assignment=da)
+    with tpu.scope():
+      model = _mlp(dropout=0.2)
+      opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, 8)
+    xs, _ = _data(8)
+
+    def step(x):
+      loss = model(x).square().mean()
+      loss.backward()
+      opt.step()
+      opt.zero_grad()
+      return loss
+
+    outs = []
+    for x in xs:
+      arg = tpu.experimental_distribute_values_from_function(
+        lambda ctx, x=x: x[
+          ctx.replica_id_in_sync_group * B : (ctx.replica_id_in_sync_group + 1) * B
+        ]
+      )
+      outs.append(tpu.run(step, args=(arg,)))
+      sched.step()
     torch_xla.sync()
-  rep = _replayer(tpu)
-  assert rep.replays == 0
-  assert "logical devices" in rep.reasons[-1][1]
+    return [_host(o) for o in outs], _state(model, opt), _replayer(tpu)
+
+  got, got_state, rep = run(True)
+  want, want_state, _ = run(False)
+  _exact(got, want)
+  _exact(got_state, want_state)
+  assert (rep.traces, rep.replays) == (3, 5), list(rep.reasons)
 
 
 # -- verification ------------------------------------------------------------------------------
@@ -882,13 +1004,13 @@ def test_run_steps_with_replayed_steps_is_bit_identical(monkeypatch):
   want, want_state, _, _, _ = run(False)
   _exact(got, want)  # dropout included: the group's seed chain is the steps' own
   _exact(got_state, want_state)
-  # Call 1: steps 1-3 chain lazily (the first traces of their keys, then
-  # capture attempts that find the state still pending), 4 is captured. Call 2:
-  # 5 is captured again and confirms it, so 6-8 are a group, analysed. Call 3:
-  # 9 is replayed, the group captured. From call 4 on a call is two replayed
-  # programs: its first step and the group of the other three.
-  assert rep.replays == 0 + 0 + 1 + 4 + 4 + 4, list(rep.reasons)
-  assert compiles[3:] == [0, 0, 0]
+  # Call 1: step 1 makes the momentum buffers (left lazy, as without replay), 2
+  # finds them pending (and runs them), 3 is captured, 4 captured again
+  # confirms it. Call 2: 5 is replayed, 6-8 are a group, captured. Call 3: 9 is
+  # replayed, the group captured again and confirmed. From call 4 on a call is
+  # two replayed programs: its first step and the group of the other three.
+  assert rep.replays == 0 + 1 + 1 + 4 + 4 + 4, list(rep.reasons)
+  assert compiles[2:] == [0, 0, 0, 0]  # (calls 1-2 compile what no other test did)
   assert executions[3:] == [2, 2, 2]
 
 

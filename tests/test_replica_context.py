@@ -12,6 +12,9 @@ from conftest import local_values
 import xladist as xd
 from xladist.runtime import xla as _runtime
 
+# Traced and left lazy (replay off for this run): its program's HLO is readable.
+LAZY = xd.RunOptions(experimental_replay=False)
+
 
 @dataclasses.dataclass
 class Stats:
@@ -144,7 +147,9 @@ def test_all_reduce_packs_a_nested_structure_into_one_collective_per_dtype(strat
       [torch.full((3,), float(r)) for _ in range(20)] + [torch.tensor([r], dtype=torch.int32)]
     )
   )
-  out = strategy.run(lambda v: xd.get_replica_context().all_reduce("sum", v), args=(x,))
+  out = strategy.run(
+    lambda v: xd.get_replica_context().all_reduce("sum", v), args=(x,), options=LAZY
+  )
   hlo = _runtime.hlo_text([o._stacked for o in out])
   assert len(re.findall(r" all-reduce\(", hlo)) == 2  # one f32 pack, one s32
   assert [v.tolist() for v in local_values(strategy, out[7])] == [[6.0] * 3] * 4
@@ -228,7 +233,7 @@ def _merge_example(strategy):
     s = ctx.merge_call(merge_fn, args=(v,))
     return s + v
 
-  return strategy.run(fn, args=(torch.tensor(3.0),))
+  return strategy.run(fn, args=(torch.tensor(3.0),), options=LAZY)
 
 
 def test_tf_merge_call_example(strategy):

@@ -15,6 +15,9 @@ from xladist.runtime import xla as _runtime
 
 B = 4  # examples per replica
 
+# Traced and left lazy (replay off for this run): its program's HLO is readable.
+LAZY = xd.RunOptions(experimental_replay=False)
+
 
 @pytest.fixture(scope="module")
 def tpu22():
@@ -83,7 +86,7 @@ def test_split_step_hlo_divides_the_layer_over_the_core_axis(tpu22, state):
     h = tpu22.experimental_split_to_logical_devices(x, [2, 1])
     return model(h).square().sum()
 
-  out = tpu22.run(step, args=(_models.split(tpu22, xs[0]),))
+  out = tpu22.run(step, args=(_models.split(tpu22, xs[0]),), options=LAZY)
   hlo = _runtime.hlo_text([out._stacked])
   dots = [l for l in hlo.splitlines() if " dot(" in l]
   # Each core multiplies its half of the replica's 4 rows: [2,8] x [8,16].
@@ -108,7 +111,7 @@ def test_gradients_reduce_over_replicas_per_core(tpu22, state):
   xs, ys = _data(2, steps=1)
   model, opt = _models.build_xladist(tpu22, KIND, state)
   step = _split_step(tpu22, model, opt, [2, 1])
-  tpu22.run(step, args=(_models.split(tpu22, xs[0]), _models.split(tpu22, ys[0])))
+  tpu22.run(step, args=(_models.split(tpu22, xs[0]), _models.split(tpu22, ys[0])), options=LAZY)
   hlo = _runtime.hlo_text(list(model.parameters()))
   assert any(
     "replica_groups={{0,2},{1,3}}" in l for l in hlo.splitlines() if " all-reduce(" in l
@@ -262,7 +265,7 @@ def test_batch_split_cnn_trains_like_the_global_batch_and_divides_the_convolutio
   step = _split_step(tpu22, model, opt, [2, 1, 1, 1])
   losses = []
   for x, y in zip(xs, ys):
-    out = tpu22.run(step, args=(_models.split(tpu22, x), _models.split(tpu22, y)))
+    out = tpu22.run(step, args=(_models.split(tpu22, x), _models.split(tpu22, y)), options=LAZY)
     losses.append(tpu22.reduce("mean", out, axis=None))
     if len(losses) == 1:
       hlo = _runtime.hlo_text(list(model.parameters()))

@@ -13,6 +13,9 @@ from xladist.runtime import xla as _runtime
 
 VS, VA = xd.VariableSynchronization, xd.VariableAggregation
 
+# Traced and left lazy (replay off for this run): its program's HLO is readable.
+LAZY = xd.RunOptions(experimental_replay=False)
+
 
 def _bn_model(sync=False):
   torch.manual_seed(5)
@@ -269,7 +272,7 @@ def test_unwritten_variables_stay_out_of_the_program(strategy):
     unused = torch.nn.Linear(64, 64)  # alive, but not used by the step
   model.eval()
   x = _models.split(strategy, torch.randn(8, 4))
-  out = strategy.run(lambda v: model(v), args=(x,))
+  out = strategy.run(lambda v: model(v), args=(x,), options=LAZY)
   hlo = _runtime.hlo_text([out._stacked] + list(model.parameters()) + list(model.buffers()))
   # Only the output leaves the region: no variable was written, and the unused
   # model's weights are not in the program at all.

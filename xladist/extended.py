@@ -112,6 +112,21 @@ class StrategyExtended(abc.ABC):
     return self._compile_watch.count()
 
   @property
+  def experimental_replay_counts(self):
+    """How this strategy's steps ran so far: {"traced": n, "replayed": n}.
+
+    A traced step ran `fn`'s Python (its first steps, and each step whose key
+    changed: see README, "Replay"); a replayed step ran the step's compiled
+    program again without it. Strategies that call `fn` directly (OneDevice,
+    the default strategy) count every step as traced."""
+    engine = getattr(self, "_engine", None)
+    replayer = getattr(engine, "_replayer", None)
+    if replayer is None:
+      watch = getattr(self, "_compile_watch", None)
+      return {"traced": getattr(watch, "steps", 0), "replayed": 0}
+    return {"traced": replayer.traces, "replayed": replayer.replays}
+
+  @property
   def experimental_compile_explanations(self):
     """The recompilation explanations logged so far (oldest first, at most 100)."""
     self._compile_watch.count()  # attributes what compiled since the last step

@@ -1,6 +1,8 @@
 """One process of tests/runtime_jax/test_multiprocess.py (the jax runtime).
 
     python _mwms_worker.py train OUT CKPT   # trains 3 steps, writes its results to OUT
+    python _mwms_worker.py replay OUT -     # AdamW + cosine + clipping, REPLAY_STEPS steps,
+                                            # writes its results and its replay counts to OUT
     python _mwms_worker.py kill OUT MARKER  # writes MARKER after step 1; then the worker
                                             # sleeps (the test kills it, or lets it stall)
                                             # and the chief goes on to step 2
@@ -27,6 +29,7 @@ import xladist as xd  # noqa: E402
 import xladist.checkpoint as xc  # noqa: E402
 
 STEPS = 3
+REPLAY_STEPS = 20
 
 
 def _strategy():
@@ -38,7 +41,45 @@ def _strategy():
   )
 
 
+def replay(out):
+  """The loop users run (AdamW, a cosine schedule stepped every step, gradient
+  clipping), REPLAY_STEPS steps: its losses, final state and replay counts."""
+  strategy = _strategy()
+  state = _models.initial_state("mlp")
+  xs, ys = _models.make_data("mlp", 4, steps=REPLAY_STEPS)
+  with strategy.scope():
+    model = _models.MODELS["mlp"][0]()
+    model.load_state_dict(state)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+  sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=REPLAY_STEPS)
+
+  def step(x, y):
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss
+
+  loader = DataLoader(TensorDataset(torch.cat(xs), torch.cat(ys)), batch_size=xs[0].shape[0])
+  losses = []
+  for x, y in strategy.experimental_distribute_dataset(loader):
+    losses.append(strategy.reduce("mean", strategy.run(step, args=(x, y)), axis=None))
+    sched.step()
+  rep = strategy.extended._engine._replayer
+  result = {
+    "losses": [float(v.cpu()) for v in losses],
+    "state": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+    "traces": rep.traces,
+    "replays": rep.replays,
+    "reasons": list(rep.reasons),
+  }
+  torch.save(result, out)
+
+
 def main(mode, out, extra):
+  if mode == "replay":
+    return replay(out)
   strategy = _strategy()
   resolver = getattr(strategy, "cluster_resolver", None)
   task = (resolver.task_type, resolver.task_id) if resolver is not None else ("local", 0)

@@ -139,6 +139,42 @@ def processes(tmp_path):
     assert all(proc.poll() is not None for proc, _, _ in p.procs.values())
 
 
+def test_two_processes_replay_adamw_with_a_schedule_like_one_process(processes, tmp_path):
+  """Replay on several hosts (issue 32): 2 processes x 2 devices train the loop
+  users run (AdamW, CosineAnnealingLR stepped every step, gradient clipping)
+  for 20 steps; each process traces fn at most 3 times and replays the rest,
+  and both train like 1 process x 4 devices (1e-6 of each tensor's scale)."""
+  cluster = _cluster()
+  start = time.monotonic()
+  for name, env in (
+    ("chief", _task_env(cluster, "chief")),
+    ("worker", _task_env(cluster, "worker")),
+    ("single", _env(4)),
+  ):
+    processes.start(name, ["replay", tmp_path / f"{name}.pt", "-"], env)
+  for name in ("chief", "worker", "single"):
+    left = max(1.0, PROCESS_TIMEOUT - (time.monotonic() - start))
+    try:
+      rc = processes.wait(name, left)
+    except subprocess.TimeoutExpired:
+      pytest.fail(f"{name} did not finish within {PROCESS_TIMEOUT} s\n{processes.log(name)}")
+    assert rc == 0, processes.log(name)
+  chief, worker, single = (
+    torch.load(tmp_path / f"{n}.pt", weights_only=False) for n in ("chief", "worker", "single")
+  )
+  for result in (chief, worker, single):
+    assert result["traces"] <= 3 and result["replays"] == 20 - result["traces"], result["reasons"]
+  assert chief["losses"] == worker["losses"]
+  _models.assert_close_to_scale(
+    torch.tensor(chief["losses"], dtype=torch.float64),
+    torch.tensor(single["losses"], dtype=torch.float64),
+    TOL,
+  )
+  _models.assert_close_to_scale(chief["state"], single["state"], TOL)
+  with pytest.raises(AssertionError):  # it did train
+    _models.assert_close_to_scale(chief["state"], _models.initial_state("mlp"), 1e-2)
+
+
 def test_two_processes_train_like_one_process_and_plain_torch(processes, tmp_path):
   """2 processes x 2 devices (MultiWorkerMirroredStrategy from TF_CONFIG) train
   an MLP for 3 steps from a distributed DataLoader exactly like 1 process x 4

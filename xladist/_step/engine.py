@@ -37,7 +37,8 @@ from torch.optim import optimizer as torch_optimizer
 from xladist import context
 from xladist import runtime as _runtime
 from xladist._nest import flatten, tree_map, unflatten
-from xladist._step import seeds
+from xladist._step import hyper, seeds
+from xladist._step.device_state import keep_state_on_device
 from xladist._step.grad_clip import ensure_installed as _ensure_clipping_hook
 from xladist._step.region import HOST_READ_MESSAGE, Region
 from xladist._step.replay import PLACED, Replayer
@@ -59,16 +60,16 @@ class StepEngine:
     self._ext = extended
     self.region = None  # the Region of the step being traced, else None
     self._replayer = None
+    self._swapped = None  # the hyper.Swapped of the step being traced
     seeds.register_device_module()
 
   # -- what a strategy declares ----------------------------------------------------------
   def replay_gap(self):
-    """Why this strategy's steps are not replayed, or None when they are."""
-    ext = self._ext
-    if ext._cores_per_replica > 1:
-      return "several logical devices per replica (TPUStrategy) are not replayed yet"
-    if getattr(ext, "_host_replicas", None) is not None:
-      return "several hosts are not replayed yet (every host must decide alike)"
+    """Why this strategy's steps are not replayed, or None when they are.
+
+    Replayed: one host or several (every host traces the same steps, so every
+    host decides alike and runs the same program), with or without logical
+    devices per replica (TPUStrategy)."""
     return None
 
   # -- one step ---------------------------------------------------------------------------
@@ -101,9 +102,11 @@ class StepEngine:
       torch_optimizer.register_optimizer_step_post_hook(self._after_optimizer_step),
     )
     self.region = region
+    swapped = self._swapped = hyper.Swapped()
     try:
       # Only frames below this one hold replica-local views (see _clear_step_frames).
-      out = _runtime.traced_step(lambda: self.trace(fn, args, kwargs, region, made))
+      with swapped:
+        out = _runtime.traced_step(lambda: self.trace(fn, args, kwargs, region, made))
     except _runtime.HostReadInStep as e:
       attempt.abandon()
       store.restore(step)
@@ -121,9 +124,11 @@ class StepEngine:
       seeds.forget_draws(region)
       region.close()
       self.region = None
+      self._swapped = None
       del step
       made.release(keep, fn)
-    return attempt.finish(out)
+    attempt.hypers = swapped
+    return hyper.plain(attempt.finish(out))
 
   def replay_steps(self, fn, args_list):
     """experimental_run_steps' steps after a replayed one, as one replayed
@@ -148,6 +153,8 @@ class StepEngine:
     if ext._cores_per_replica > 1:
       ext._device_iota()
     store.enter(step)
+    for optimizer in store.optimizers():
+      self._swapped.swap(optimizer)
     mode = context._Mode(strategy, replica_context=ReplicaContext(strategy, region))
     context.push(mode)
     try:
@@ -160,6 +167,7 @@ class StepEngine:
         made,
         single_threaded_autograd(),
         torch.compiler.set_stance("force_eager"),
+        self._swapped.recording(),
       ):
         out = fn(*local_args, **local_kwargs)
     finally:
@@ -221,7 +229,9 @@ class StepEngine:
     """optimizer.step() in a replica context: aggregate the gradients first."""
     store, step = self._ext._store, self.region.step
     if store.track_optimizer(optimizer):
+      keep_state_on_device(optimizer)
       store.enter_optimizer(optimizer, step)
+    self._swapped.swap(optimizer)
     params = self._optimizer_params(optimizer, "its parameters are mirrored on every replica")
     step.stepped.update(id(p) for p in params)
     # Mirrored variables with an aggregation that the optimizer updates are

@@ -19,25 +19,27 @@ What a program reads and writes is found by *capturing* a traced step:
   listed with the identity of its device buffer;
 * after the trace, the program's outputs are the returned tensors and every
   slot the step wrote; its inputs (the graph's device data, in parameter order)
-  are each a slot, an argument, the random-number seed, or a *constant* (a
-  buffer nothing names: a Python scalar torch_xla made device data, a tensor
-  captured from outside), recognised by buffer identity;
-* the first trace of a key is only analysed (`dry`): it stays lazy and runs at
-  the user's sync, exactly as without replay; the second trace of the key is
-  captured: compiled (`_xla_warm_up_cache`: the same computation as the first
-  trace's program, compiled once more for replay) and run (`_run_cached_graph`)
-  right away.
+  are each a slot, an argument, the random-number seed, an optimizer
+  *hyperparameter* (`hyper.py`: fed its current value at each replay), or a
+  *constant* (a buffer nothing names: a Python scalar torch_xla made device
+  data, a tensor captured from outside), recognised by buffer identity;
+* every trace of a key that can be captured is: compiled (`_xla_warm_up_cache`;
+  the second capture of a key finds the program compiled) and run
+  (`_run_cached_graph`) when `run` returns. A trace that cannot be captured
+  (the first step of an optimizer, which makes its state) stays lazy, as
+  without replay.
 
 Promotion: a step is replayed once two consecutive traces of the same *key*
 described the same program (graph hash, input and output mapping, constant
 buffers or values). The key is the step's signature (`_step_signature`: argument
 shapes, dtypes and shardings, the Python values `fn` reads by name, modules'
-train/eval flags, variables' requires_grad and gradients, optimizer
-hyperparameters and state sizes) plus what the program's mapping assumes: the
-identities of the variables, optimizers, their state and parameter groups, of
-the objects `fn` reads by name (closure cells, globals, default arguments), of
-the non-tensor objects passed as arguments, the grad mode and the strategy's
-gradient aggregation. A different key traces (and is captured in turn).
+train/eval flags, variables' requires_grad and gradients, whether each
+optimizer hyperparameter is 0, 1 or another number, state sizes) plus what the
+program's mapping assumes: the identities of the variables, optimizers, their
+state and parameter groups, of the objects `fn` reads by name (closure cells,
+globals, default arguments), of the non-tensor objects passed as arguments, the
+grad mode and the strategy's gradient aggregation. A different key traces (and
+is captured in turn).
 
 Random numbers: a replayed program takes torch_xla's seed as an input. The
 seed it gets, and the seed left for what follows, are those the traced step
@@ -47,22 +49,25 @@ the same bit for bit, whether the user syncs after each step or not.
 
 Never replayed (traced as before, and said why with `XLADIST_REPLAY_DEBUG=1`):
 
-* a step that changes state outside the XLA device (Adam's `step` counter on
-  the CPU when `capturable=False`, Python values in optimizer state), returns a
-  host tensor or an object that is not a plain Python value, or creates state
-  (the first step of an optimizer, a variable made in the step);
+* a step that changes state outside the XLA device (an optimizer whose step
+  counter stays on the CPU: Adagrad; xladist turns `capturable` on where an
+  optimizer has it, `device_state.py`), changes an optimizer's parameter groups
+  (a scheduler stepped inside `fn`), returns a host tensor or an object that is
+  not a plain Python value, or creates state (the first step of an optimizer, a
+  variable made in the step);
 * a step whose inputs are pending (a variable written outside a step and not
   synced: tracing fuses that write into the step's program);
-* strategies that work around the trace (CentralStorageStrategy), TPUStrategy
-  with several logical devices per replica, several hosts (OneDeviceStrategy
-  and the default strategy call `fn` directly and do not replay);
+* CentralStorageStrategy (its optimizer runs on the host after the program);
+  OneDeviceStrategy and the default strategy call `fn` directly and do not
+  replay. Several hosts and TPUStrategy's logical devices replay (every host
+  traces the same steps, so every host decides alike);
 * replay off (`XLADIST_REPLAY=0`, `RunOptions(experimental_replay=False)`).
 
 `experimental_run_steps(k)`: once its first step is replayed, the other k - 1
 steps run as ONE program (`Replayer.replay_steps`): on torch_xla a *group*,
 the k - 1 steps traced back to back (their random ops one seed chain) and
-captured under the step's key like a step of their own (first trace analysed,
-second captured, then replayed); on jax a scan of the step's program. A call
+captured under the step's key like a step of their own (captured twice, then
+replayed); on jax a scan of the step's program. A call
 is then two executions and traces nothing.
 
 The contract: `fn`'s Python runs only when the step is traced (as with
@@ -89,7 +94,7 @@ import torch
 
 from xladist import runtime as _runtime
 from xladist._nest import flatten, unflatten
-from xladist._step import seeds
+from xladist._step import hyper, seeds
 from xladist._step import signature as signatures
 from xladist.values import _NOT_CONSTANT, DistributedValues, Mirrored, PerReplica
 from xladist.variable_store import copies_of
@@ -304,11 +309,16 @@ def _host_change(store, before, after):
       i, _, key = place
       opt = list(store.optimizers())[i]
       name = type(opt).__name__
-      hint = ""
-      if key == "step":
-        hint = f" (pass capturable=True to {name} to keep it on the XLA device)"
+      if "capturable" in opt.defaults:
+        hint = f"pass capturable=True to {name} to keep it on the XLA device"
+      else:
+        hint = (
+          f"{name} has no capturable option, so its steps are traced every time; to "
+          "replay them use an optimizer that keeps its state in device tensors (Adam, "
+          "AdamW, SGD, RMSprop, ...)"
+        )
       return (
-        f"{name} keeps state[...][{key!r}] outside the XLA device and the step changes it{hint}"
+        f"{name} keeps state[...][{key!r}] outside the XLA device and the step changes it ({hint})"
       )
   return "an optimizer's host-side state changed"
 
@@ -387,6 +397,7 @@ def _arg_refs(leaves):
 SLOT, ARG, CONST, SEED = range(4)
 RET = 4
 DROP = 5  # a result nothing keeps (a value of the step no slot or return holds)
+HYPER = 6  # an optimizer hyperparameter (or arithmetic on some): `prog.hypers[i]`
 
 
 class _Program:
@@ -407,6 +418,10 @@ class _Program:
     "n_outputs",
     "runtime_program",
     "starts",
+    "hypers",
+    "groups",
+    "scalar_slots",
+    "host_vectors",
   )
 
   def fingerprint(self):
@@ -420,6 +435,7 @@ class _Program:
       self.ret_spec,
       tuple(self.ret_leaves),
       self.draws,
+      tuple(h.key() if h is not None else None for h in self.hypers),
     )
 
 
@@ -491,6 +507,7 @@ class Replayer:
     # not outlive the user's references to it
     self.last_replayed = None
     self._in_group = False  # tracing the steps of a group (`_group_steps`)
+    self._group_hypers = []  # the hyper.Swapped of each step of the group traced now
     self.steps = 0
     self.reasons = collections.deque(maxlen=100)
 
@@ -541,9 +558,9 @@ class Replayer:
       # capturing would not pay off; trace as without replay until a key repeats.
       return None, self._plain(
         f"{why}; the key changed at each of the last {fresh} steps of this function "
-        "(e.g. a learning rate set at every step): traced without capture until a "
-        "step repeats one (keep such values in tensors, e.g. a capturable optimizer "
-        "with a tensor learning rate)",
+        "(e.g. a Python number fn reads by name, set at every step): traced without "
+        "capture until a step repeats one (pass such values as tensor arguments; an "
+        "optimizer's hyperparameters need nothing: they are inputs)",
         seed,
       )
     if entry.refused is not None:
@@ -562,9 +579,7 @@ class Replayer:
         return out, None
       why = out.why
     elif why is not None:
-      # First trace of this key: left lazy as without replay (a step run once
-      # is not executed early), only analysed (`dry`).
-      return None, self._capture(fn, entry, leaves, spec, why, seed, dry=True)
+      pass  # a new key: captured (compiled and run now) at its first trace
     elif entry.program is None:
       why = "capturing the program of a signature seen before"
     else:
@@ -594,6 +609,8 @@ class Replayer:
     if _runtime.REPLAY_KIND != "program":
       return self._group_steps(entry, fn, args_list)
     prog = entry.program
+    if isinstance(_fresh_scalars(prog), _Traced):
+      return None
     plan, fixed, carried, stacked = _steps_plan(prog, leaves_list, self._n)
     if plan is None:
       return None
@@ -608,8 +625,8 @@ class Replayer:
 
   def _group_steps(self, entry, fn, args_list):
     """torch_xla: the k steps as one program. The group has an entry of its own
-    under the step's (the same rules: its first trace analysed, the second
-    captured, replayed once two captures agree); it is traced as k
+    under the step's (the same rules: captured, replayed once two captures
+    agree); it is traced as k
     `strategy.run` calls in a row (not captured one by one, their random ops
     one seed chain), and its program's inputs are the slots and the k steps'
     arguments."""
@@ -637,12 +654,13 @@ class Replayer:
     else:
       why = f"second trace of {k} steps as one program: captured and compared with the first"
     self._note(why)
-    attempt = _Attempt(self, fn, group, leaves, spec, None, seed, dry=group.program is None)
+    attempt = _Attempt(self, fn, group, leaves, spec, None, seed)
     attempt.group = True
     if attempt.args is not None:
       args_list = attempt.args
     strategy = self._extended._strategy_ref
     self._in_group = True
+    self._group_hypers = []
     try:
       with self._extended._one_program(), seeds.STEP_SEEDS.chained() as starts:
         outs = [strategy.run(fn, args=args) for args in args_list]
@@ -652,8 +670,10 @@ class Replayer:
     finally:
       self._in_group = False
     program = group.program
+    attempt.hypers = hyper.Swapped.merged(self._group_hypers)
+    self._group_hypers = []
     outs = attempt.finish(outs)
-    if group.program is not program:  # analysed or captured now: where its steps' seeds start
+    if group.program is not program:  # captured now: where its steps' seeds start
       offsets = tuple(seeds.draws_between(seed, s) for s in starts)
       if None in offsets:
         group.program, group.promoted = None, False
@@ -705,16 +725,16 @@ class Replayer:
 
   def _plain(self, why, seed):
     self._note(why)
-    return _Attempt(self, None, None, None, None, None, seed, False)
+    return _Attempt(self, None, None, None, None, None, seed)
 
-  def _capture(self, fn, entry, leaves, spec, why, seed, verify=None, dry=False):
+  def _capture(self, fn, entry, leaves, spec, why, seed, verify=None):
     if _runtime.in_traced_step():
       # One of the steps traced as one program (experimental_run_steps on jax):
       # it has no program of its own to capture; a promoted key is replayed
       # into the enclosing program.
       return self._plain(f"{why}; inside steps traced as one program: not captured", seed)
     self._note(why)
-    return _Attempt(self, fn, entry, leaves, spec, verify, seed, dry)
+    return _Attempt(self, fn, entry, leaves, spec, verify, seed)
 
   # -- replaying ---------------------------------------------------------------------------------
   def _replay(self, entry, leaves, seed, steps=1):
@@ -760,11 +780,39 @@ class Replayer:
       return inputs
     # the runtime's arrays (a constant is one already)
     inputs = [v._elem if isinstance(v, torch.Tensor) else v for v in inputs]
+    fresh = _fresh_scalars(prog)
+    if isinstance(fresh, _Traced):
+      return fresh
     program, consts = prog.runtime_program
     results = _runtime.run_program(program, consts, inputs)
     self.replays += 1
     seeds.STEP_SEEDS.after_replay(seed, prog.draws)
     return _write_back(prog, results, n)
+
+
+def _fresh_scalars(prog):
+  """jax: puts the hyperparameters' current values into the program's scalar
+  constants (one transfer of one small vector when one changed), or a
+  `_Traced` saying why the step is traced instead."""
+  if not prog.hypers:
+    return None
+  vectors = prog.host_vectors
+  changed = None
+  for h, (v, j) in zip(prog.hypers, prog.scalar_slots):
+    if h is None:
+      continue
+    value = _hyper_value(prog, h)
+    if isinstance(value, _Traced):
+      return value
+    if vectors[v][j] != value:
+      if changed is None:
+        changed = [np.array(x) for x in vectors]
+      changed[v][j] = value
+  if changed is not None:
+    prog.host_vectors = changed
+    program, consts = prog.runtime_program
+    prog.runtime_program = (program, _runtime.with_scalars(consts, changed))
+  return None
 
 
 def _steps_plan(prog, leaves_list, n):
@@ -838,7 +886,7 @@ def _write_back_steps(prog, plan, final, ys, k, n):
         value = ys[ret_of[index]][t]  # the runtime cut them per step
         leaves.append(PerReplica._from_stacked(value, n) if kind == "stacked" else value)
       else:
-        leaves.append(kind[1])
+        leaves.append(_python_leaf(prog, kind))
     results.append(unflatten(prog.ret_spec, leaves))
   return results
 
@@ -883,10 +931,33 @@ def _inputs(prog, leaves, n, seed):
         return _Traced(str(e))
     elif kind == CONST:
       value = source[1]
+    elif kind == HYPER:
+      h = prog.hypers[source[1]]
+      value = _hyper_value(prog, h)
+      if isinstance(value, _Traced):
+        return value
+      if h.placed is None or h.placed[0] != value:
+        h.placed = (value, _runtime.place_replicated(torch.tensor(value, dtype=h.dtype)))
+      value = h.placed[1]
     else:
       value = _seed_tensor(seed)
     inputs.append(value)
   return inputs
+
+
+def _hyper_value(prog, h):
+  """A hyperparameter input's value now, or a `_Traced` saying why the step is
+  traced instead (see hyper.py: a match not yet confirmed by two captures is
+  confirmed by a trace when its value first changes)."""
+  value = h.current(prog.groups)
+  if value is None:
+    return _Traced("hyperparameters that were equal when the step was captured differ now")
+  if value != h.value and not h.proven:
+    return _Traced(
+      f"optimizer hyperparameter {h.names()} changed for the first time since the step "
+      "was captured (traced once to confirm that it is an input of the program)"
+    )
+  return value
 
 
 def _arg_global(leaf, n):
@@ -932,23 +1003,29 @@ def _write_back(prog, results, n):
     elif kind == "tensor":
       leaves.append(value)
     else:
-      leaves.append(kind[1])
+      leaves.append(_python_leaf(prog, kind))
   return unflatten(prog.ret_spec, leaves)
 
 
-class _Attempt:
-  """A traced step: plain (seed bookkeeping only), analysed (`dry`: its program
-  is described, not compiled; the step stays lazy) or captured (compiled and
-  run at once)."""
+def _python_leaf(prog, kind):
+  """A Python value fn returned: as traced, or a hyperparameter's value now."""
+  if kind[0] == "hyper":
+    return hyper.evaluate(kind[1], prog.groups)
+  return kind[1]
 
-  def __init__(self, replayer, fn, entry, leaves, spec, verify, seed, dry):
+
+class _Attempt:
+  """A traced step: plain (seed bookkeeping only) or captured (compiled and run
+  when `run` returns; left lazy when it cannot be)."""
+
+  def __init__(self, replayer, fn, entry, leaves, spec, verify, seed):
     self._replayer = replayer
     self._entry = entry
     self._verify = verify
     self._seed0 = seed
-    self._dry = dry
     self.args = self.kwargs = None
     self.group = False  # the attempt of experimental_run_steps' group, not of a step
+    self.hypers = None  # the step's hyper.Swapped (set by the engine after the trace)
     self._ready = False
     if entry is not None:
       self._prepare(fn, leaves, spec)
@@ -970,7 +1047,7 @@ class _Attempt:
         try:
           g = _arg_global(leaf, rep._n)
         except _NotCapturable as e:
-          return self._record(f"not analysed: {e}")
+          return self._record(f"not captured: {e}")
         if not isinstance(leaf, PerReplica) and g is not (
           leaf.primary if isinstance(leaf, Mirrored) else leaf
         ):
@@ -992,8 +1069,6 @@ class _Attempt:
       )
     pending_args = [t for t, p in zip(arg_tensors, need[len(values) :]) if p]
     if pending_args:
-      if self._dry:  # a first trace stays lazy, its arguments included
-        return self._record("not analysed: an argument has a computation pending")
       _runtime.sync(pending_args)
     # A buffer still being computed has no handle yet (reading one crashes
     # torch_xla 2.9): wait for the executions in flight (captures are rare).
@@ -1019,6 +1094,7 @@ class _Attempt:
     self._ambiguous = ambiguous
     self._uids = [_runtime.ir_id(v) for v in values]
     self._host = _host_state(store)
+    self._groups = hyper.group_values(list(store.optimizers()))
     self._ready = True
 
   def _prepare_program(self, store, slots, values, globals_):
@@ -1043,6 +1119,7 @@ class _Attempt:
     self._held = (values, globals_)  # keeps the arrays (and so their ids) alive
     self._uids = [_runtime.ir_id(v) for v in values]
     self._host = _host_state(store)
+    self._groups = hyper.group_values(list(store.optimizers()))
     self._ready = True
 
   # -- after the trace ------------------------------------------------------------------------
@@ -1054,19 +1131,20 @@ class _Attempt:
     """Captures the traced step when it can (compiling and running its program
     now), and returns the step's result."""
     seed1 = seeds.STEP_SEEDS.after_trace()
+    rep = self._replayer
     if self._entry is None:
+      if rep._in_group and self.hypers is not None:
+        rep._group_hypers.append(self.hypers)
       return result
     if not self._ready:
-      return result if self._dry else self._cut(result)
+      self._cut()
+      return result
     rep = self._replayer
     try:
       prog, values = self._analyse(result, seed1)
     except _NotCapturable as e:
+      # Left lazy, as without replay: the next `strategy.run` (or a read) runs it.
       self._refused(str(e), e.permanent)
-      return result if self._dry or self._entry.refused else self._cut(result)
-    if self._dry:
-      self._entry.program = prog
-      self._entry.promoted = False
       return result
     if _runtime.REPLAY_KIND != "program":
       # Run the captured step itself: its inputs are the traced graph's device data.
@@ -1081,20 +1159,13 @@ class _Attempt:
       rep.last_replayed = (self._entry, _weak(fn), spec, [_arg_entry(x) for x in leaves])
     return result
 
-  def _cut(self, result):
+  def _cut(self):
     """Runs a traced step that was not captured now, so that the next step
     starts from computed values and can be captured (a step that is replayed
-    needs no sync, so none may come)."""
-    tensors = [s.get(settle=False) for s in _slots(self._replayer._store)]
-    for leaf in flatten(result)[0]:
-      if isinstance(leaf, PerReplica) and leaf._stacked is not None:
-        tensors.append(leaf._stacked)
-      elif isinstance(leaf, torch.Tensor) and _runtime.is_device_tensor(leaf):
-        tensors.append(leaf)
-    tensors = [t for t in tensors if t is not None]
-    if tensors:
-      _runtime.sync(tensors)
-    return result
+    needs no sync, so none may come). Every pending tensor is cut with it: a
+    sync of some tensors only lets torch_xla give their input buffers to the
+    outputs (aliasing) while other pending tensors still read them."""
+    _xla()._xla_sync_live_tensors("", [], wait=False)
 
   def _refused(self, why, permanent):
     entry = self._entry
@@ -1118,6 +1189,7 @@ class _Attempt:
       return
     what = _differs(old, prog)
     if what is None:
+      hyper.agree(old.hypers, prog.hypers)
       entry.promoted = True
       return
     entry.promoted = False
@@ -1152,15 +1224,14 @@ class _Attempt:
   def _program(self, result, seed1):
     if _runtime.REPLAY_KIND == "program":
       return _program_of_runtime(self, result)
-    rep = self._replayer
     x = _xla()
     slots, uids = _new_state_slots(self)
     # Outputs: the returned tensors, then the slots the step wrote.
     ret_spec, returned = _returned(result)
     outs, targets, ret_leaves = [], [], []
     for j, kind, value in returned:
-      if kind == "py":
-        ret_leaves.append(("py", value))
+      if kind in ("py", "hyper"):
+        ret_leaves.append((kind, value))
       else:
         outs.append(value)
         targets.append((RET, j))
@@ -1196,6 +1267,7 @@ class _Attempt:
         sources.append((SEED,))
         continue
       sources.append(_source(self, x._get_tensors_handle([v])[0], v, consts))
+    hypers = _hyper_sources(self, sources, consts)
     draws = 0
     if sum(1 for s in sources if s[0] == SEED) > 1:
       raise _NotCapturable("the program has several random-number seeds")
@@ -1204,15 +1276,36 @@ class _Attempt:
       if not draws:
         raise _NotCapturable("the step's random-number seed use could not be followed")
     graph_hash = x._get_graph_hash(kept)
-    if not self._dry:
-      compiles = _runtime.compile_count()
-      x._xla_warm_up_cache(kept, [])
-      _replay_compiled(rep._extended, _runtime.compile_count() - compiles)
+    x._xla_warm_up_cache(kept, [])  # the step's own compilation (none when cached)
     prog = _program_record(
       graph_hash, slots, sources, kept_targets, aliases, cleared, ret_spec, ret_leaves, consts
     )
     prog.draws = draws
+    prog.hypers = hypers
+    prog.groups = self.hypers.groups if hypers else {}
     return prog, values
+
+
+def _hyper_sources(attempt, sources, consts):
+  """torch_xla: turns the CONST sources that are optimizer hyperparameters into
+  HYPER sources (hyper.py), dropping them from `consts`; their `hyper.Input`s."""
+  made = attempt.hypers.candidates() if attempt.hypers is not None else ()
+  scalar = [
+    i
+    for i, s in enumerate(sources)
+    if s[0] == CONST and s[1].dim() == 0 and s[1].dtype.is_floating_point
+  ]
+  if not made or not scalar:
+    return []
+  found = hyper.match([(sources[i][1].cpu().item(), sources[i][1].dtype) for i in scalar], made)
+  inputs, dropped = [], set()
+  for i, h in zip(scalar, found):
+    if h is not None:
+      dropped.add(id(sources[i][1]))
+      sources[i] = (HYPER, len(inputs))
+      inputs.append(h)
+  consts[:] = [c for c in consts if id(c[1]) not in dropped]
+  return inputs
 
 
 def _new_state_slots(attempt):
@@ -1228,6 +1321,10 @@ def _new_state_slots(attempt):
       slots.append(s)
       uids.append(None)
   host = _host_change(store, attempt._host, _host_state(store))
+  if host is None:
+    optimizers = list(store.optimizers())
+    after = hyper.group_values(optimizers)
+    host = hyper.group_change(optimizers, attempt._groups, after)
   if host is not None:
     raise _NotCapturable(host, permanent=True)
   return slots, uids
@@ -1261,6 +1358,10 @@ def _program_record(key, slots, sources, targets, aliases, cleared, ret_spec, re
   prog.restamp = [s.tensor for s in slots if s.kind == COPIES]
   prog.n_outputs = len(targets)
   prog.starts = ()  # a group's steps: draws before each step's first seed
+  prog.hypers = []  # hyper.Input of each HYPER source (jax: of each scalar slot)
+  prog.groups = {}  # id -> the parameter groups the hypers read
+  prog.scalar_slots = ()  # jax: (vector index, position) of each scalar constant
+  prog.host_vectors = None  # jax: the scalar vectors' values, as last fed
   return prog
 
 
@@ -1278,6 +1379,8 @@ def _returned(result):
       out.append((j, "stacked", leaf._stacked))
     elif isinstance(leaf, torch.Tensor) and _runtime.is_device_tensor(leaf):
       out.append((j, "tensor", leaf))
+    elif isinstance(leaf, hyper.Hyper):
+      out.append((j, "hyper", leaf.expr))
     elif isinstance(leaf, _PLAIN):
       out.append((j, "py", leaf))
     else:
@@ -1328,9 +1431,9 @@ def _program_of_runtime(attempt, result):
   ret_spec, returned = _returned(result)
   ret_leaves = []
   for j, kind, value in returned:
-    if kind != "py" and not target_of(value, (RET, j)):
+    if kind not in ("py", "hyper") and not target_of(value, (RET, j)):
       raise _NotCapturable("a returned tensor is not computed by the step")
-    ret_leaves.append(("py", value) if kind == "py" else kind)
+    ret_leaves.append((kind, value) if kind in ("py", "hyper") else kind)
   cleared, written = _written_slots(slots, uids)
   for i, value in written:
     if not target_of(value, (SLOT, i)):
@@ -1340,10 +1443,31 @@ def _program_of_runtime(attempt, result):
   prog = _program_record(
     program.text_key, slots, sources, targets, aliases, cleared, ret_spec, ret_leaves, []
   )
-  prog.consts = [(a, _ConstView(c)) for a, c in consts_seen]
+  host = [np.array(v) for v in consts[1]]
+  order = sorted({d for kind, d, _ in program.layout if kind == "scalar"})
+  prog.scalar_slots = tuple(
+    (order.index(d), j) for kind, d, j in program.layout if kind == "scalar"
+  )
+  made = attempt.hypers.candidates() if attempt.hypers is not None else ()
+  if made and prog.scalar_slots:
+    scalars = [(host[v][j].item(), _torch_dtype(host[v].dtype)) for v, j in prog.scalar_slots]
+    prog.hypers = hyper.match(scalars, made)
+    prog.groups = attempt.hypers.groups
+  masked = [np.array(v) for v in host]
+  for h, (v, j) in zip(prog.hypers, prog.scalar_slots):
+    if h is not None:
+      masked[v][j] = 0
+  prog.host_vectors = host
+  prog.consts = [(id(a), _ConstView(a)) for a in consts[0]] + [
+    (("scalars", i), _ConstView(m)) for i, m in enumerate(masked)
+  ]
   prog.n_outputs = len(results)
   prog.runtime_program = (program, consts)
   return prog, None
+
+
+def _torch_dtype(np_dtype):
+  return getattr(torch, np.dtype(np_dtype).name, None)
 
 
 class _ConstView:
@@ -1363,15 +1487,6 @@ class _ConstView:
     if value.dtype.name == "bfloat16":  # ml_dtypes' bfloat16, which torch cannot take
       return torch.from_numpy(value.astype(np.float32)).to(torch.bfloat16)
     return torch.from_numpy(value)
-
-
-def _replay_compiled(extended, n):
-  """Counts a capture's compilation in `experimental_compile_count` without
-  explaining it as a recompilation of the step (it compiles, for replay, the
-  program the step's first trace ran through torch_xla's sync)."""
-  watch = getattr(extended, "_compile_watch", None)
-  if watch is not None:
-    watch.count_unexplained(n)
 
 
 class _Traced:

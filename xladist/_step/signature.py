@@ -274,11 +274,26 @@ def _optimizer(label, opt, out, state):
   out[f"{label} ({type(opt).__name__}) state entries"] = ("value", len(opt.state))
   for g, group in enumerate(opt.param_groups):
     for key, value in group.items():
-      if key != "params" and isinstance(value, _PLAIN):
+      if key == "params":
+        continue
+      if type(value) is float:
+        out[f"{label} group {g} {key!r}"] = ("hyper", _hyper_class(value))
+      elif type(value) is tuple and value and all(type(v) in (float, int) for v in value):
+        out[f"{label} group {g} {key!r}"] = ("hyper", tuple(map(_hyper_class, value)))
+      elif isinstance(value, _PLAIN):
         out[f"{label} group {g} {key!r}"] = ("value", value)
     out[f"{label} group {g} params"] = ("value", len(group["params"]))
   for slots in opt.state.values():
     state.extend(v for v in slots.values() if isinstance(v, torch.Tensor))
+
+
+def _hyper_class(value):
+  """What a step's key keeps of a float hyperparameter (replay feeds its value to
+  the program, _step/hyper.py): whether it is 0, 1 or another number (optimizers
+  branch on `weight_decay != 0`; torch_xla folds 0 and 1 into the graph)."""
+  if type(value) is int:
+    return ("int", value)
+  return value if value in (0.0, 1.0) else "a number"
 
 
 def take(fn, args, kwargs, store):
@@ -385,6 +400,8 @@ def _show(entry, sharding_changed=False):
       text += " with a .grad" if entry[5] is not None else ""
     return text
   if kind == "value":
+    return repr(entry[1])
+  if kind == "hyper":
     return repr(entry[1])
   if kind == "PerReplica" and entry[1] and entry[1][0] == "tensor":
     return f"PerReplica of {_show(entry[1], sharding_changed)}"

@@ -137,6 +137,7 @@ INTERFACE = (
   "stack_steps",
   "require",
   "run_program",
+  "with_scalars",
   # torch_xla's device detection and compile-cache rules (tests read them)
   "compile_cache_path",
   "COMPILE_CACHE_DEVICE_TYPES",

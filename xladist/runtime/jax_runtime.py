@@ -844,6 +844,15 @@ def last_program():
   return program, consts, args, results
 
 
+def with_scalars(consts, vectors):
+  """A program's packed constants (`_Program.pack`) with its scalar vectors
+  replaced by `vectors` (host arrays, one per dtype in the program's order):
+  a replayed step's new hyperparameter values, one transfer per vector."""
+  jax = _rt().jax
+  with jax.ensure_compile_time_eval():
+    return (consts[0], _on_devices(vectors))
+
+
 def stack_steps(arrays):
   """The k steps' values of one argument stacked on a new leading axis, placed
   like them (a replica-split value stays split on its replica axis)."""

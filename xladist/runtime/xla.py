@@ -831,6 +831,11 @@ def run_program(program, consts, inputs):
   raise RuntimeError("xladist: run_program is the jax runtime's (replay.py: REPLAY_KIND)")
 
 
+def with_scalars(consts, vectors):
+  """The jax runtime's; torch_xla feeds a program's scalars as device data."""
+  raise RuntimeError("xladist: with_scalars is the jax runtime's (replay.py: REPLAY_KIND)")
+
+
 def traced_step(body):
   """Runs a step's phases: torch_xla records them lazily; the program is cut
   and run at the next sync."""

@@ -75,7 +75,11 @@ class _CentralStorageEngine(StepEngine):
   after the program, `CentralStorageExtended._to_host`)."""
 
   def replay_gap(self):
-    return "CentralStorageExtended does its own work around each step's trace"
+    return (
+      "CentralStorageStrategy runs the optimizer on the host after each step's program "
+      "(its variables live in host memory), so a step is a program and host work, and "
+      "replay runs programs only"
+    )
 
   def trace(self, fn, args, kwargs, region, made):
     ext = self._ext

@@ -1,0 +1,337 @@
+"""Optimizer hyperparameters as inputs of a replayed step, not parts of its key.
+
+A float in an optimizer's parameter groups ('lr', 'betas', 'weight_decay',
+'momentum', 'eps', ..., set by a `torch.optim.lr_scheduler` or by hand) reaches
+a step's program as a scalar: torch_xla passes a Python number to an XLA op as
+device data (0 and 1 excepted: those are folded into the graph), the jax
+runtime lifts it out of the program text as a constant. The program is the
+same whatever the value; only the scalar fed to it differs. So a replayed step
+feeds each such scalar its current value, and a schedule neither re-traces nor
+recompiles.
+
+Which program scalar is which hyperparameter is found while the step is traced:
+every float of the tracked optimizers' groups is swapped for a `Hyper` (a float
+that remembers where it came from, and what arithmetic made it: `-lr`,
+`1 - beta2`, `lr * weight_decay`, ...) and swapped back when the trace ends.
+After the trace the program's scalar constants are matched to the Hypers the
+step made by value (`match`). A scalar that matches no Hyper stays a constant
+of the program. A match can be a coincidence (a constant 0.1 of the model when
+lr is 0.1): it counts as an input only once two captures that agree saw its
+value follow the hyperparameter (`Input.proven`); before that, a replay whose
+hyperparameter value changed is traced instead and confirms or corrects it
+(replay.py).
+
+What the key keeps of a hyperparameter (signature.py): whether it is 0, 1 or
+another value (optimizers branch on `weight_decay != 0`; torch_xla folds 0 and
+1 into the graph). A value that reaches the program through arithmetic a
+`Hyper` does not follow (`math.sqrt(lr)`, `float(lr)`) is a plain constant: a
+capture that differs from the last in such a constant is not replayed
+(replay.py `_differs`), and verification traces catch the rest.
+"""
+
+import operator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from xladist._nest import flatten, unflatten
+
+LEAF, CONST = "leaf", "const"
+
+_recording = [None]  # the list of Hypers made by the step being traced, or None
+
+
+class Hyper(float):
+  """A float of an optimizer's parameter group (or arithmetic on one) while a
+  step is traced. `expr`: ("leaf", id(group), key, index) or (op name, *operands)."""
+
+  def __new__(cls, value, expr):
+    h = float.__new__(cls, value)
+    h.expr = expr
+    made = _recording[0]
+    if made is not None:
+      made.append(h)
+    return h
+
+  def __reduce__(self):  # a copy or a pickle is the plain number
+    return (float, (float(self),))
+
+
+def _operand(x):
+  if isinstance(x, Hyper):
+    return x.expr
+  return (CONST, float(x))
+
+
+def _number(x):
+  return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+_BINARY = {
+  "add": operator.add,
+  "sub": operator.sub,
+  "mul": operator.mul,
+  "truediv": operator.truediv,
+  "pow": operator.pow,
+}
+_UNARY = {"neg": operator.neg, "pos": operator.pos, "abs": operator.abs}
+
+
+def _binary(name, fn):
+  def op(self, other):
+    if not _number(other):
+      return NotImplemented
+    return Hyper(fn(float(self), float(other)), (name, self.expr, _operand(other)))
+
+  def rop(self, other):
+    if not _number(other):
+      return NotImplemented
+    return Hyper(fn(float(other), float(self)), (name, _operand(other), self.expr))
+
+  return op, rop
+
+
+for _name, _fn in _BINARY.items():
+  _op, _rop = _binary(_name, _fn)
+  setattr(Hyper, f"__{_name}__", _op)
+  setattr(Hyper, f"__r{_name}__", _rop)
+
+
+def _pow(self, other, _number_pow=Hyper.__pow__):
+  """`beta1 ** step` with a tensor `step` (Adam's capturable bias correction):
+  torch_xla folds the base of `pow(Scalar, Tensor)` into the graph as a
+  constant, so the base is made a tensor first (device data, an input)."""
+  if isinstance(other, torch.Tensor):
+    return torch.pow(torch.tensor(self, dtype=other.dtype, device=other.device), other)
+  return _number_pow(self, other)
+
+
+Hyper.__pow__ = _pow
+for _name, _fn in _UNARY.items():
+  setattr(
+    Hyper,
+    f"__{_name}__",
+    lambda self, _name=_name, _fn=_fn: Hyper(_fn(float(self)), (_name, self.expr)),
+  )
+del _name, _fn, _op, _rop
+
+
+def evaluate(expr, groups):
+  """The value of `expr` now (`groups`: id -> parameter group dict)."""
+  kind = expr[0]
+  if kind == LEAF:
+    value = groups[expr[1]][expr[2]]
+    if expr[3] is not None:
+      value = value[expr[3]]
+    return float(value)
+  if kind == CONST:
+    return expr[1]
+  if kind in _UNARY:
+    return _UNARY[kind](evaluate(expr[1], groups))
+  return _BINARY[kind](evaluate(expr[1], groups), evaluate(expr[2], groups))
+
+
+# -- the trace: swap the floats in, and back --------------------------------------------------
+
+
+class Swapped:
+  """The groups whose floats are Hypers during one traced step."""
+
+  def __init__(self):
+    self.groups = {}  # id(group) -> group
+    self.saved = []  # (group, key, original value, the Hyper or tuple put in)
+    self.made = []  # every Hyper made while the step was traced
+    self.used = {}  # id -> the Hypers passed to a torch function (`recording`)
+
+  @classmethod
+  def merged(cls, parts):
+    """One record of several traced steps (experimental_run_steps' group)."""
+    out = cls()
+    for part in parts:
+      out.groups.update(part.groups)
+      out.made.extend(part.made)
+      out.used.update(part.used)
+    return out
+
+  def swap(self, optimizer):
+    """Swaps the floats of `optimizer`'s groups for Hypers (once per group)."""
+    for group in optimizer.param_groups:
+      gid = id(group)
+      if gid in self.groups:
+        continue
+      self.groups[gid] = group
+      for key, value in list(group.items()):
+        if key == "params":
+          continue
+        if _number(value) and isinstance(value, float):
+          new = Hyper(value, (LEAF, gid, key, None))
+        elif type(value) is tuple and value and all(_number(v) for v in value):
+          new = tuple(
+            Hyper(v, (LEAF, gid, key, i)) if isinstance(v, float) else v
+            for i, v in enumerate(value)
+          )
+        else:
+          continue
+        self.saved.append((group, key, value, new))
+        group[key] = new
+
+  def __enter__(self):
+    self._outer = _recording[0]
+    _recording[0] = self.made
+    return self
+
+  def __exit__(self, *exc):
+    _recording[0] = self._outer
+    self.restore()
+    return False
+
+  def recording(self):
+    """A torch-function mode that notes every Hyper passed to a torch function
+    while `fn` runs: the values a program's scalars can be (a Hyper used only
+    to make another, `weight_decay` in `1 - lr * weight_decay`, is not one)."""
+    return _Uses(self.used)
+
+  def candidates(self):
+    """The Hypers a program scalar is matched against: those torch functions
+    took (all the step made when none was seen)."""
+    return list(self.used.values()) or self.made
+
+  def restore(self):
+    """Puts the original floats back; a value set during the step (a scheduler
+    stepped inside it) is kept, as a plain float."""
+    for group, key, value, new in self.saved:
+      now = group.get(key)
+      if now is new:
+        group[key] = value
+      elif isinstance(now, Hyper):
+        group[key] = float(now)
+      elif type(now) is tuple and any(isinstance(v, Hyper) for v in now):
+        group[key] = tuple(float(v) if isinstance(v, Hyper) else v for v in now)
+    self.saved = []
+
+
+def plain(result):
+  """`result` with every Hyper leaf a plain float (what a traced step returns)."""
+  leaves, spec = flatten(result)
+  if not any(isinstance(x, Hyper) for x in leaves):
+    return result
+  return unflatten(spec, [float(x) if isinstance(x, Hyper) else x for x in leaves])
+
+
+def group_values(optimizers):
+  """The plain values of the optimizers' groups (what a step must not change)."""
+  return [
+    (i, g, key, value)
+    for i, opt in enumerate(optimizers)
+    for g, group in enumerate(opt.param_groups)
+    for key, value in group.items()
+    if key != "params" and (_number(value) or type(value) is tuple)
+  ]
+
+
+def group_change(optimizers, before, after):
+  """Words naming the first parameter-group value the step changed, or None."""
+  if before == after:
+    return None
+  old = {p[:3]: p[3] for p in before}
+  for i, g, key, value in after:
+    if old.get((i, g, key), value) != value:
+      name = type(optimizers[i]).__name__
+      return (
+        f"the step changed {name}.param_groups[{g}][{key!r}] ({old[(i, g, key)]!r} -> "
+        f"{value!r}): a replayed step runs no Python, so a learning-rate scheduler "
+        "stepped inside fn would stop; call scheduler.step() after strategy.run"
+      )
+  return "the step changed an optimizer's parameter groups"
+
+
+class _Uses(TorchFunctionMode):
+  def __init__(self, used):
+    super().__init__()
+    self.used = used
+
+  def __torch_function__(self, func, types, args=(), kwargs=None):
+    kwargs = kwargs or {}
+    for value in (*args, *kwargs.values()):
+      if isinstance(value, Hyper):
+        self.used[id(value)] = value
+      elif type(value) in (tuple, list):
+        for v in value:
+          if isinstance(v, Hyper):
+            self.used[id(v)] = v
+    return func(*args, **kwargs)
+
+
+# -- after the trace: which program scalars are hyperparameters --------------------------------
+
+
+class Input:
+  """A scalar of a captured program that is a hyperparameter (or arithmetic on
+  some): its candidate expressions (equal values at the capture), dtype, the
+  value it had, and whether two agreeing captures saw it follow them."""
+
+  __slots__ = ("exprs", "dtype", "value", "proven", "placed")
+
+  def __init__(self, exprs, dtype, value):
+    self.exprs, self.dtype, self.value = exprs, dtype, value
+    self.proven = False
+    self.placed = None  # (value, the runtime's scalar holding it)
+
+  def key(self):
+    return (self.exprs, str(self.dtype))
+
+  def names(self):
+    """The hyperparameters the input is made of, as "'lr'", "'betas'[0]"."""
+    found = []
+
+    def walk(expr):
+      if expr[0] == LEAF:
+        name = repr(expr[2]) + ("" if expr[3] is None else f"[{expr[3]}]")
+        if name not in found:
+          found.append(name)
+      elif expr[0] != CONST:
+        for part in expr[1:]:
+          walk(part)
+
+    for e in self.exprs:
+      walk(e)
+    return ", ".join(found)
+
+  def current(self, groups):
+    """The value now (in the program's dtype), or None when the candidates
+    that were equal at the capture differ now."""
+    values = {_cast(evaluate(e, groups), self.dtype) for e in self.exprs}
+    return values.pop() if len(values) == 1 else None
+
+
+def _cast(value, dtype):
+  return torch.tensor(value, dtype=dtype).item() if dtype is not None else value
+
+
+def match(scalars, made):
+  """For each program scalar (value, torch dtype), the `Input` it is, or None.
+
+  `made`: the Hypers the traced step made. Candidates are the distinct
+  expressions whose value, in the scalar's dtype, equals it."""
+  by_dtype = {}
+  out = []
+  for value, dtype in scalars:
+    if dtype is None or not dtype.is_floating_point:
+      out.append(None)
+      continue
+    table = by_dtype.get(dtype)
+    if table is None:
+      table = by_dtype[dtype] = {}
+      for h in made:
+        table.setdefault(_cast(float(h), dtype), {}).setdefault(h.expr, None)
+    exprs = table.get(value)
+    out.append(Input(tuple(exprs), dtype, value) if exprs else None)
+  return out
+
+
+def agree(old, new):
+  """Marks the inputs of `new` proven that were proven in `old` or changed
+  value between the two captures (which agree in everything else)."""
+  for a, b in zip(old, new):
+    if a is not None and b is not None:
+      b.proven = a.proven or a.value != b.value
