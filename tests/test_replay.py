@@ -10,6 +10,7 @@ and compares every value with rtol=0, atol=0; the hypothesis test also compares
 with plain PyTorch on the CPU (to 1e-6).
 """
 
+import copy
 import gc
 import logging
 import os
@@ -659,26 +660,34 @@ def test_a_tensor_fn_reads_by_name_is_read_at_every_replay(monkeypatch):
 # -- what is never replayed --------------------------------------------------------------------
 
 
-def test_default_adam_is_replayed_and_checkpoints_in_torch_format(monkeypatch):
-  """torch's default Adam keeps its step counter on the host; under a strategy
-  xladist keeps it on the device (capturable), so the step replays (issue 32),
-  bit for bit as re-tracing, and its state_dict is torch's default format."""
-  make = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731
+@pytest.mark.parametrize("name", ["Adam", "AdamW", "Adagrad"])
+def test_default_optimizers_with_host_step_counters_replay_bit_identical(monkeypatch, name):
+  """torch's default Adam, AdamW and Adagrad keep each parameter's step counter on
+  the host and compute their bias corrections from it in Python: a replayed step
+  adds to the counters and feeds the corrections for their new values (issue
+  32), bit for bit as re-tracing; the counters stay where torch keeps them, so
+  the state_dict is torch's own."""
+  make = lambda p: getattr(torch.optim, name)(p, lr=1e-2)  # noqa: E731
   got, state, rep = _train(monkeypatch, True, make, steps=6)
   want, want_state, _ = _train(monkeypatch, False, make, steps=6)
   _exact(got, want)
   _exact(state, want_state)
   assert (rep.traces, rep.replays) == (3, 3), list(rep.reasons)
-  monkeypatch.delenv("XLADIST_REPLAY")
+  assert [v for k, v in state.items() if k.endswith(".step")] == [torch.tensor(6.0)] * 4
+
+
+def test_default_adam_replays_after_loading_torch_state(monkeypatch, strategy):
+  """A state_dict of xladist's default Adam is torch's format (the step counters
+  on the CPU); loading one from plain torch mid-run is seen by the next steps,
+  which replay again and train as plain torch does."""
   _reset_seeds()
-  strategy = xd.MirroredStrategy()
   with strategy.scope():
     model = _mlp()
-    opt = make(model.parameters())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
   x, y = _data(1)
   ref_model = _mlp()
   ref_model.load_state_dict({k: v.cpu() for k, v in model.state_dict().items()})
-  ref = make(ref_model.parameters())
+  ref = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
 
   def step(x, y):
     loss = F.cross_entropy(model(x), y)
@@ -687,52 +696,55 @@ def test_default_adam_is_replayed_and_checkpoints_in_torch_format(monkeypatch):
     opt.zero_grad()
     return loss
 
-  for _ in range(3):
-    strategy.run(step, args=(_split(strategy, x[0]), _split(strategy, y[0])))
-    F.cross_entropy(ref_model(x[0]), y[0]).backward()
-    ref.step()
-    ref.zero_grad()
+  def both(k):
+    for _ in range(k):
+      strategy.run(step, args=(_split(strategy, x[0]), _split(strategy, y[0])))
+      F.cross_entropy(ref_model(x[0]), y[0]).backward()
+      ref.step()
+      ref.zero_grad()
+
+  both(5)
   saved, expected = opt.state_dict(), ref.state_dict()
-  assert saved["param_groups"] == expected["param_groups"]  # capturable False, as made
-  assert opt.param_groups[0]["capturable"] is True  # on the device while it trains
+  assert saved["param_groups"] == expected["param_groups"]
   for i, entry in expected["state"].items():
     assert saved["state"][i].keys() == entry.keys()
     assert saved["state"][i]["step"].device.type == "cpu"
-    assert saved["state"][i]["step"].dtype == entry["step"].dtype
-    assert saved["state"][i]["step"].item() == entry["step"].item() == 3.0
-    torch.testing.assert_close(
-      saved["state"][i]["exp_avg"].cpu(), entry["exp_avg"], rtol=1e-5, atol=1e-7
-    )
-  assert _runtime.is_device_tensor(opt.state[opt.param_groups[0]["params"][0]]["step"])
-  # Loading torch's format puts the counters back on the device: the next steps replay.
-  opt.load_state_dict(expected)
-  assert opt.param_groups[0]["capturable"] is True
-  assert _runtime.is_device_tensor(opt.state[opt.param_groups[0]["params"][0]]["step"])
-  for _ in range(4):
-    strategy.run(step, args=(_split(strategy, x[0]), _split(strategy, y[0])))
-    F.cross_entropy(ref_model(x[0]), y[0]).backward()
-    ref.step()
-    ref.zero_grad()
-  assert _replayer(strategy).replays >= 1, list(_replayer(strategy).reasons)
+    assert saved["state"][i]["step"].item() == entry["step"].item() == 5.0
+  opt.load_state_dict(copy.deepcopy(expected))  # plain torch's state, mid-run (a copy:
+  # torch keeps the loaded step tensors themselves, which `ref` goes on adding to)
+  both(5)
+  assert _replayer(strategy).replays >= 4, list(_replayer(strategy).reasons)
+  assert opt.state_dict()["state"][0]["step"].item() == 10.0
   for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
     torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-6, msg=name)
 
 
+class _CountingSGD(torch.optim.SGD):
+  """An optimizer that keeps a Python number in its state (as LBFGS does)."""
+
+  def step(self, closure=None):
+    out = super().step(closure)
+    for group in self.param_groups:
+      for p in group["params"]:
+        self.state[p]["calls"] = self.state[p].get("calls", 0) + 1
+    return out
+
+
 def test_an_optimizer_with_host_state_is_refused_once_and_says_why(monkeypatch, caplog):
-  """Adagrad has no capturable option: its step counter lives on the host, so
-  its steps are never replayed; the reason names it and the way out, once."""
+  """A Python number in an optimizer's state that the step changes cannot be
+  replayed: its steps are traced; the reason names it and the way out, once."""
   monkeypatch.setenv("XLADIST_REPLAY_DEBUG", "1")
   caplog.set_level(logging.WARNING, logger="xladist")
-  make = lambda p: torch.optim.Adagrad(p, lr=1e-2)  # noqa: E731
+  make = lambda p: _CountingSGD(p, lr=0.1, momentum=0.9)  # noqa: E731
   _, state, rep = _train(monkeypatch, True, make, steps=6)
   _, want, _ = _train(monkeypatch, False, make, steps=6)
   _exact(state, want)
   assert rep.replays == 0 and rep.captures == 0
   lines = [r.getMessage() for r in caplog.records if "xladist replay" in r.getMessage()]
-  refused = [line for line in lines if "not captured: Adagrad keeps state" in line]
+  refused = [line for line in lines if "not captured: _CountingSGD keeps state" in line]
   assert len(refused) == 1, lines
-  assert "has no capturable option" in refused[0] and "XLADIST_REPLAY_DEBUG" not in refused[0]
-  assert any("traced: not replayable: Adagrad keeps" in line for line in lines), lines
+  assert "['calls']" in refused[0] and "keep that state in a tensor on the device" in refused[0]
+  assert any("traced: not replayable: _CountingSGD keeps" in line for line in lines), lines
 
 
 def test_a_scheduler_stepped_inside_fn_is_refused_with_the_fix(monkeypatch, caplog, strategy):

@@ -12,7 +12,7 @@ default) and once with `XLADIST_REPLAY=0`, in this process from the same seeds:
 With replay `fn` runs at most 3 times (the optimizer's first step makes its
 state, the next two are captured), the run compiles at most 2 programs more
 than without replay, and the losses and final weights equal that run's to
-rtol 1e-5 (here: bit for bit). The replay-off run is also compared with plain
+rtol 1e-5. The replay-off run is also compared with plain
 PyTorch on the CPU (the same loop on the global batch), so both are right.
 
 Run by `make test` on torch_xla and by `make test-jax` on the jax runtime.
@@ -148,10 +148,9 @@ def test_the_loop_replays_and_equals_the_run_without_replay(monkeypatch, name):
 
 @pytest.mark.parametrize("name", list(LOOPS))
 def test_without_dropout_the_replayed_loop_equals_plain_pytorch(monkeypatch, name):
-  """torch's default Adam / AdamW keep their step counter on the host and
-  compute the bias corrections in float64; under a strategy the counter lives
-  on the device and they are float32 (capturable): equal within float32
-  rounding over 40 steps."""
+  """The replayed loop computes what torch computes (the bias corrections of
+  Adam and AdamW from their host step counters, in float64, fed as inputs):
+  equal to plain PyTorch on the CPU within float32 rounding over 40 steps."""
   got, got_w, _, counts = _train(monkeypatch, name, replay=True, dropout=False)
   want, want_w = _reference(name)
   assert counts["replayed"] >= STEPS - 3

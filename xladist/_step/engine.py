@@ -38,7 +38,7 @@ from xladist import context
 from xladist import runtime as _runtime
 from xladist._nest import flatten, tree_map, unflatten
 from xladist._step import hyper, seeds
-from xladist._step.device_state import keep_state_on_device
+from xladist._step.device_state import place_host_state
 from xladist._step.grad_clip import ensure_installed as _ensure_clipping_hook
 from xladist._step.region import HOST_READ_MESSAGE, Region
 from xladist._step.replay import PLACED, Replayer
@@ -229,7 +229,7 @@ class StepEngine:
     """optimizer.step() in a replica context: aggregate the gradients first."""
     store, step = self._ext._store, self.region.step
     if store.track_optimizer(optimizer):
-      keep_state_on_device(optimizer)
+      place_host_state(optimizer)
       store.enter_optimizer(optimizer, step)
     self._swapped.swap(optimizer)
     params = self._optimizer_params(optimizer, "its parameters are mirrored on every replica")

@@ -13,9 +13,12 @@ Which program scalar is which hyperparameter is found while the step is traced:
 every float of the tracked optimizers' groups is swapped for a `Hyper` (a float
 that remembers where it came from, and what arithmetic made it: `-lr`,
 `1 - beta2`, `lr * weight_decay`, ...) and swapped back when the trace ends.
-After the trace the program's scalar constants are matched to the Hypers the
-step made by value (`match`). A scalar that matches no Hyper stays a constant
-of the program. A match can be a coincidence (a constant 0.1 of the model when
+The host step counters of torch's default Adam, AdamW and Adagrad are swapped
+too (`_Counter`: its `item()` is a Hyper), so the bias corrections computed from
+them in Python are inputs as well, and a replay adds to the counters as the
+step would. After the trace the program's scalar constants are matched by
+value to the Hypers torch functions took (`match`; a torch-function mode notes
+them). A scalar that matches no Hyper stays a constant of the program. A match can be a coincidence (a constant 0.1 of the model when
 lr is 0.1): it counts as an input only once two captures that agree saw its
 value follow the hyperparameter (`Input.proven`); before that, a replay whose
 hyperparameter value changed is traced instead and confirms or corrects it
@@ -31,12 +34,13 @@ capture that differs from the last in such a constant is not replayed
 
 import operator
 
+import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
 from xladist._nest import flatten, unflatten
 
-LEAF, CONST = "leaf", "const"
+LEAF, CONST, COUNT = "leaf", "const", "count"
 
 _recording = [None]  # the list of Hypers made by the step being traced, or None
 
@@ -117,8 +121,11 @@ del _name, _fn, _op, _rop
 
 
 def evaluate(expr, groups):
-  """The value of `expr` now (`groups`: id -> parameter group dict)."""
+  """The value of `expr` now (`groups`: id -> parameter group or per-parameter
+  state dict). A counter reads its value before the step plus its offset."""
   kind = expr[0]
+  if kind == COUNT:
+    return float(groups[expr[1]][expr[2]]) + expr[3]
   if kind == LEAF:
     value = groups[expr[1]][expr[2]]
     if expr[3] is not None:
@@ -154,7 +161,19 @@ class Swapped:
     return out
 
   def swap(self, optimizer):
-    """Swaps the floats of `optimizer`'s groups for Hypers (once per group)."""
+    """Swaps the floats of `optimizer`'s groups for Hypers, and its host step
+    counters for `_Counter`s (once per group and state)."""
+    for state in optimizer.state.values():
+      sid = id(state)
+      if sid in self.groups:
+        continue
+      for key, value in list(state.items()):
+        if _is_counter(value):
+          counter = value.as_subclass(_Counter)
+          counter._xladist_count = (sid, key, float(value))
+          self.saved.append((state, key, value, counter))
+          state[key] = counter
+          self.groups[sid] = state
     for group in optimizer.param_groups:
       gid = id(group)
       if gid in self.groups:
@@ -245,6 +264,31 @@ def group_change(optimizers, before, after):
   return "the step changed an optimizer's parameter groups"
 
 
+def _is_counter(value):
+  """A host step counter of an optimizer's state (torch's default Adam, AdamW,
+  Adagrad, ...: a float CPU scalar the step adds 1 to)."""
+  return (
+    isinstance(value, torch.Tensor)
+    and not isinstance(value, _Counter)
+    and value.device.type == "cpu"
+    and value.dim() == 0
+    and value.is_floating_point()
+  )
+
+
+class _Counter(torch.Tensor):
+  """A host step counter while a step is traced: `item()` (what the optimizer
+  reads to compute its bias corrections) is a Hyper, the counter's value before
+  the step plus what the step added so far. A replayed step feeds the
+  corrections' values for the counter's new value and adds to it as the step
+  would (replay.py)."""
+
+  def item(self):
+    sid, key, start = self._xladist_count
+    value = torch.Tensor.item(self)
+    return Hyper(value, (COUNT, sid, key, value - start))
+
+
 class _Uses(TorchFunctionMode):
   def __init__(self, used):
     super().__init__()
@@ -304,8 +348,18 @@ class Input:
     return values.pop() if len(values) == 1 else None
 
 
+_NUMPY = {torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16}
+
+
 def _cast(value, dtype):
-  return torch.tensor(value, dtype=dtype).item() if dtype is not None else value
+  """`value` rounded to `dtype`, as a Python float (numpy where it has the dtype:
+  this runs for every hyperparameter input of every replayed step)."""
+  if dtype is None:
+    return value
+  to = _NUMPY.get(dtype)
+  if to is not None:
+    return float(to(value))
+  return torch.tensor(value, dtype=dtype).item()
 
 
 def match(scalars, made):

@@ -49,9 +49,10 @@ the same bit for bit, whether the user syncs after each step or not.
 
 Never replayed (traced as before, and said why with `XLADIST_REPLAY_DEBUG=1`):
 
-* a step that changes state outside the XLA device (an optimizer whose step
-  counter stays on the CPU: Adagrad; xladist turns `capturable` on where an
-  optimizer has it, `device_state.py`), changes an optimizer's parameter groups
+* a step that changes state outside the XLA device other than a host step
+  counter (a Python number in an optimizer's state; the counters of torch's
+  default Adam, AdamW, Adagrad replay: a replay adds to them, hyper.py), changes
+  an optimizer's parameter groups
   (a scheduler stepped inside `fn`), returns a host tensor or an object that is
   not a plain Python value, or creates state (the first step of an optimizer, a
   variable made in the step);
@@ -291,7 +292,8 @@ def _host_state(store):
       for key, v in state.items():
         if isinstance(v, torch.Tensor):
           if not _runtime.is_device_tensor(v):
-            out.append(((i, p_index, key), (id(v), v._version)))
+            value = float(v) if v.dim() == 0 and v.is_floating_point() else None
+            out.append(((i, p_index, key), (id(v), v._version, value)))
         elif isinstance(v, _PLAIN):
           out.append(((i, p_index, key), v))
         else:
@@ -300,27 +302,40 @@ def _host_state(store):
 
 
 def _host_change(store, before, after):
-  """Words naming the first host-side optimizer state a step changed, or None."""
+  """(words naming the first host-side optimizer state a step changed, or None;
+  the host step counters it advanced: [(state dict, key, increment)]).
+
+  A float CPU scalar of a parameter's state that the step added to (the `step`
+  of torch's default Adam, AdamW, Adagrad, ...) is a counter: a replayed step
+  adds the same, and hyper.py feeds the bias corrections for its new value."""
   if before == after:
-    return None
+    return None, []
   old = dict(before)
+  optimizers = list(store.optimizers())
+  counters = []
   for place, value in after:
-    if old.get(place, _MISSING) != value:
-      i, _, key = place
-      opt = list(store.optimizers())[i]
-      name = type(opt).__name__
-      if "capturable" in opt.defaults:
-        hint = f"pass capturable=True to {name} to keep it on the XLA device"
-      else:
-        hint = (
-          f"{name} has no capturable option, so its steps are traced every time; to "
-          "replay them use an optimizer that keeps its state in device tensors (Adam, "
-          "AdamW, SGD, RMSprop, ...)"
-        )
-      return (
-        f"{name} keeps state[...][{key!r}] outside the XLA device and the step changes it ({hint})"
-      )
-  return "an optimizer's host-side state changed"
+    was = old.get(place, _MISSING)
+    if was == value:
+      continue
+    i, p_index, key = place
+    if (
+      type(was) is tuple
+      and type(value) is tuple
+      and value[0] == was[0]
+      and value[2] is not None
+      and value[2] > was[2]
+    ):
+      state = list(optimizers[i].state.values())[p_index]
+      counters.append((state, key, value[2] - was[2]))
+      continue
+    name = type(optimizers[i]).__name__
+    return (
+      f"{name} keeps state[...][{key!r}] outside the XLA device and the step changes it "
+      "in a way replay cannot repeat (a Python value, or a host tensor that is not a "
+      "step counter): its steps are traced every time; keep that state in a tensor on "
+      "the device to replay them"
+    ), counters
+  return None, counters
 
 
 _MISSING = object()
@@ -422,6 +437,7 @@ class _Program:
     "groups",
     "scalar_slots",
     "host_vectors",
+    "counters",
   )
 
   def fingerprint(self):
@@ -609,8 +625,8 @@ class Replayer:
     if _runtime.REPLAY_KIND != "program":
       return self._group_steps(entry, fn, args_list)
     prog = entry.program
-    if isinstance(_fresh_scalars(prog), _Traced):
-      return None
+    if prog.counters or isinstance(_fresh_scalars(prog), _Traced):
+      return None  # (a scan feeds every step the same scalars: not with step counters)
     plan, fixed, carried, stacked = _steps_plan(prog, leaves_list, self._n)
     if plan is None:
       return None
@@ -770,6 +786,7 @@ class Replayer:
       results = x._run_cached_graph(prog.hash, inputs)
     self.replays += steps
     seeds.STEP_SEEDS.after_replay(seed, prog.draws)
+    _advance(prog)
     return _write_back(prog, results, n)
 
   def _replay_program(self, prog, leaves, seed):
@@ -787,7 +804,14 @@ class Replayer:
     results = _runtime.run_program(program, consts, inputs)
     self.replays += 1
     seeds.STEP_SEEDS.after_replay(seed, prog.draws)
+    _advance(prog)
     return _write_back(prog, results, n)
+
+
+def _advance(prog):
+  """Adds to the host step counters what the replayed step adds (hyper.py)."""
+  for state, key, step in prog.counters:
+    state[key].add_(step)
 
 
 def _fresh_scalars(prog):
@@ -1283,6 +1307,7 @@ class _Attempt:
     prog.draws = draws
     prog.hypers = hypers
     prog.groups = self.hypers.groups if hypers else {}
+    prog.counters = tuple(self._counters)
     return prog, values
 
 
@@ -1320,7 +1345,7 @@ def _new_state_slots(attempt):
         raise _NotCapturable("the step created state (optimizer state or variables)")
       slots.append(s)
       uids.append(None)
-  host = _host_change(store, attempt._host, _host_state(store))
+  host, attempt._counters = _host_change(store, attempt._host, _host_state(store))
   if host is None:
     optimizers = list(store.optimizers())
     after = hyper.group_values(optimizers)
@@ -1362,6 +1387,7 @@ def _program_record(key, slots, sources, targets, aliases, cleared, ret_spec, re
   prog.groups = {}  # id -> the parameter groups the hypers read
   prog.scalar_slots = ()  # jax: (vector index, position) of each scalar constant
   prog.host_vectors = None  # jax: the scalar vectors' values, as last fed
+  prog.counters = ()  # the host step counters the step adds to: (state, key, increment)
   return prog
 
 
@@ -1458,6 +1484,7 @@ def _program_of_runtime(attempt, result):
     if h is not None:
       masked[v][j] = 0
   prog.host_vectors = host
+  prog.counters = tuple(attempt._counters)
   prog.consts = [(id(a), _ConstView(a)) for a in consts[0]] + [
     (("scalars", i), _ConstView(m)) for i, m in enumerate(masked)
   ]

@@ -30,8 +30,10 @@ a step is traced by JAX while it runs:
   whose peer died never returns in jax 0.10.
 
 Replay (replay.py) works here too: the runtime hands over the program a step
-ran and its inputs (`REPLAY_KIND = "program"`); across several processes it is
-off (every process must decide alike). Not on this runtime (each refused with
+ran and its inputs (`REPLAY_KIND = "program"`), across several processes too (a
+traced and a replayed step dispatch the same compiled program); a replayed
+step's new hyperparameter values replace its packed scalar constants
+(`with_scalars`). Not on this runtime (each refused with
 an error that names it): several devices per replica (TPUStrategy's logical
 devices), CentralStorageStrategy, ParameterServerStrategy, sharded
 (torch.distributed.checkpoint) checkpoints.
