@@ -18,10 +18,11 @@ too (`_Counter`: its `item()` is a Hyper), so the bias corrections computed from
 them in Python are inputs as well, and a replay adds to the counters as the
 step would. After the trace the program's scalar constants are matched by
 value to the Hypers torch functions took (`match`; a torch-function mode notes
-them). A scalar that matches no Hyper stays a constant of the program. A match can be a coincidence (a constant 0.1 of the model when
-lr is 0.1): it counts as an input only once two captures that agree saw its
-value follow the hyperparameter (`Input.proven`); before that, a replay whose
-hyperparameter value changed is traced instead and confirms or corrects it
+them). A scalar that matches no Hyper stays a constant of the program. A match
+can be a coincidence (a constant 0.1 of the model when lr is 0.1): it counts
+as an input only once two captures that agree saw its value follow the
+hyperparameter (`Input.proven`); before that, a replay whose hyperparameter
+value changed is traced instead and confirms or corrects it
 (replay.py).
 
 What the key keeps of a hyperparameter (signature.py): whether it is 0, 1 or
