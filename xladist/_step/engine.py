@@ -102,7 +102,7 @@ class StepEngine:
       torch_optimizer.register_optimizer_step_post_hook(self._after_optimizer_step),
     )
     self.region = region
-    swapped = self._swapped = hyper.Swapped()
+    swapped = self._swapped = hyper.Swapped(active=attempt.wants_hypers())
     try:
       # Only frames below this one hold replica-local views (see _clear_step_frames).
       with swapped:

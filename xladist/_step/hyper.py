@@ -33,6 +33,7 @@ capture that differs from the last in such a constant is not replayed
 (replay.py `_differs`), and verification traces catch the rest.
 """
 
+import contextlib
 import operator
 
 import numpy as np
@@ -143,9 +144,11 @@ def evaluate(expr, groups):
 
 
 class Swapped:
-  """The groups whose floats are Hypers during one traced step."""
+  """The groups whose floats are Hypers during one traced step (`active`: only
+  for a step whose program may be captured; otherwise nothing is swapped)."""
 
-  def __init__(self):
+  def __init__(self, active=True):
+    self.active = active
     self.groups = {}  # id(group) -> group
     self.saved = []  # (group, key, original value, the Hyper or tuple put in)
     self.made = []  # every Hyper made while the step was traced
@@ -164,6 +167,8 @@ class Swapped:
   def swap(self, optimizer):
     """Swaps the floats of `optimizer`'s groups for Hypers, and its host step
     counters for `_Counter`s (once per group and state)."""
+    if not self.active:
+      return
     for state in optimizer.state.values():
       sid = id(state)
       if sid in self.groups:
@@ -209,7 +214,7 @@ class Swapped:
     """A torch-function mode that notes every Hyper passed to a torch function
     while `fn` runs: the values a program's scalars can be (a Hyper used only
     to make another, `weight_decay` in `1 - lr * weight_decay`, is not one)."""
-    return _Uses(self.used)
+    return _Uses(self.used) if self.active else contextlib.nullcontext()
 
   def candidates(self):
     """The Hypers a program scalar is matched against: those torch functions

@@ -1054,6 +1054,11 @@ class _Attempt:
     if entry is not None:
       self._prepare(fn, leaves, spec)
 
+  def wants_hypers(self):
+    """Whether the trace should note the optimizers' hyperparameters (hyper.py):
+    when its program may be captured (or it is one of a group's steps)."""
+    return self._entry is not None or self._replayer._in_group
+
   # -- before the trace ---------------------------------------------------------------------
   def _prepare(self, fn, leaves, spec):
     rep = self._replayer
