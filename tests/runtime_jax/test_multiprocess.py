@@ -139,6 +139,21 @@ def processes(tmp_path):
     assert all(proc.poll() is not None for proc, _, _ in p.procs.values())
 
 
+def _results(processes, tmp_path, start):
+  """Waits for the chief, the worker and the one-process run (bounded from
+  `start`), each exiting 0; their results."""
+  for name in ("chief", "worker", "single"):
+    left = max(1.0, PROCESS_TIMEOUT - (time.monotonic() - start))
+    try:
+      rc = processes.wait(name, left)
+    except subprocess.TimeoutExpired:
+      pytest.fail(f"{name} did not finish within {PROCESS_TIMEOUT} s\n{processes.log(name)}")
+    assert rc == 0, processes.log(name)
+  return (
+    torch.load(tmp_path / f"{n}.pt", weights_only=False) for n in ("chief", "worker", "single")
+  )
+
+
 def test_two_processes_replay_adamw_with_a_schedule_like_one_process(processes, tmp_path):
   """Replay on several hosts (issue 32): 2 processes x 2 devices train the loop
   users run (AdamW, CosineAnnealingLR stepped every step, gradient clipping)
@@ -152,16 +167,7 @@ def test_two_processes_replay_adamw_with_a_schedule_like_one_process(processes, 
     ("single", _env(4)),
   ):
     processes.start(name, ["replay", tmp_path / f"{name}.pt", "-"], env)
-  for name in ("chief", "worker", "single"):
-    left = max(1.0, PROCESS_TIMEOUT - (time.monotonic() - start))
-    try:
-      rc = processes.wait(name, left)
-    except subprocess.TimeoutExpired:
-      pytest.fail(f"{name} did not finish within {PROCESS_TIMEOUT} s\n{processes.log(name)}")
-    assert rc == 0, processes.log(name)
-  chief, worker, single = (
-    torch.load(tmp_path / f"{n}.pt", weights_only=False) for n in ("chief", "worker", "single")
-  )
+  chief, worker, single = _results(processes, tmp_path, start)
   for result in (chief, worker, single):
     assert result["traces"] <= 3 and result["replays"] == 20 - result["traces"], result["reasons"]
   assert chief["losses"] == worker["losses"]
@@ -194,16 +200,7 @@ def test_two_processes_train_like_one_process_and_plain_torch(processes, tmp_pat
   ):
     path = ckpt if name != "single" else tmp_path / "single-ckpt.pt"
     processes.start(name, ["train", tmp_path / f"{name}.pt", path], env)
-  for name in ("chief", "worker", "single"):
-    left = max(1.0, PROCESS_TIMEOUT - (time.monotonic() - start))
-    try:
-      rc = processes.wait(name, left)
-    except subprocess.TimeoutExpired:
-      pytest.fail(f"{name} did not finish within {PROCESS_TIMEOUT} s\n{processes.log(name)}")
-    assert rc == 0, processes.log(name)
-  chief, worker, single = (
-    torch.load(tmp_path / f"{n}.pt", weights_only=False) for n in ("chief", "worker", "single")
-  )
+  chief, worker, single = _results(processes, tmp_path, start)
 
   state = _models.initial_state("mlp")
   xs, ys = _models.make_data("mlp", 4, steps=3)

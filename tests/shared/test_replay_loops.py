@@ -76,6 +76,17 @@ def _split(strategy, t):
   )
 
 
+def _one_step(model, opt, clip, x, y):
+  """The loop's step: cross-entropy, backward, optional clipping, the update."""
+  loss = F.cross_entropy(model(x), y)
+  opt.zero_grad()
+  loss.backward()
+  if clip:
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+  opt.step()
+  return loss
+
+
 def _train(monkeypatch, name, replay, dropout=True):
   make_opt, clip = LOOPS[name]
   monkeypatch.setenv("XLADIST_REPLAY", "1" if replay else "0")
@@ -90,13 +101,7 @@ def _train(monkeypatch, name, replay, dropout=True):
     opt, sched = make_opt(model.parameters())
 
   def step(x, y):
-    loss = F.cross_entropy(model(x), y)
-    opt.zero_grad()
-    loss.backward()
-    if clip:
-      torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    return loss
+    return _one_step(model, opt, clip, x, y)
 
   compiles = _runtime.compile_count()
   losses = []
@@ -121,12 +126,7 @@ def _reference(name):
   opt, sched = make_opt(model.parameters())
   losses = []
   for x, y in _data():
-    loss = F.cross_entropy(model(x), y)
-    opt.zero_grad()
-    loss.backward()
-    if clip:
-      torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
+    loss = _one_step(model, opt, clip, x, y)
     sched.step()
     losses.append(loss.detach())
   return torch.stack(losses), copy.deepcopy(model.state_dict())

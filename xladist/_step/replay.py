@@ -312,6 +312,7 @@ def _host_change(store, before, after):
     return None, []
   old = dict(before)
   optimizers = list(store.optimizers())
+  states = [list(opt.state.values()) for opt in optimizers]
   counters = []
   for place, value in after:
     was = old.get(place, _MISSING)
@@ -325,8 +326,7 @@ def _host_change(store, before, after):
       and value[2] is not None
       and value[2] > was[2]
     ):
-      state = list(optimizers[i].state.values())[p_index]
-      counters.append((state, key, value[2] - was[2]))
+      counters.append((states[i][p_index], key, value[2] - was[2]))
       continue
     name = type(optimizers[i]).__name__
     return (
