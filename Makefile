@@ -58,7 +58,8 @@ test: venv lint
 
 # The jax runtime (XLADIST_BACKEND=jax) is tested in an environment of its own:
 # torchax cannot share torch_xla's (torch_xla 2.9.0 bundles an old torchax).
-# tests/shared (TF semantics) runs on both runtimes; tests/runtime_jax on jax only.
+# tests/shared (TF semantics) and tests/runtime_contract (the runtime contract) run on
+# both runtimes; tests/runtime_jax on jax only.
 # Versions: torch 2.9.0, jax 0.10.2, torchax 0.0.13, the oldest supported (the jax
 # runtime does not need torch_xla); venv-jax-new below holds the newest.
 XLADIST_JAX_VENV ?= $(HOME)/.cache/xladist/venv-jax-torch2.9.0-jax0.10.2-torchax0.0.13-py$(PYVER)
@@ -102,7 +103,7 @@ $(JAX_NEW_STAMP): pyproject.toml Makefile
 # XLADIST_XLA_PYTHON: the torch_xla environment, for checkpoints read across runtimes.
 # Both jax environments run the same tests: the oldest and the newest versions
 # supported (jax_compat.py, torchax_load.py).
-JAX_TESTS := tests/runtime_jax tests/shared
+JAX_TESTS := tests/runtime_jax tests/shared tests/runtime_contract
 JAX_TEST_ENV := XLADIST_BACKEND=jax JAX_PLATFORMS=cpu XLADIST_XLA_PYTHON=$(PY)
 test-jax: venv venv-jax venv-jax-new
 	$(JAX_TEST_ENV) $(JAX_PY) -m pytest -q $(JAX_TESTS)

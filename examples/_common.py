@@ -48,7 +48,7 @@ def _cache_description():
   # XLA_PERSISTENT_CACHE_PATH wins when set).
   from xladist import runtime as _runtime
 
-  path = os.environ.get("XLA_PERSISTENT_CACHE_PATH") or _runtime.compile_cache_path()
+  path = os.environ.get("XLA_PERSISTENT_CACHE_PATH") or _runtime.backend.compile_cache_path()
   if path is None:
     return None
   home = os.path.expanduser("~")

@@ -369,7 +369,7 @@ def test_global_tensor_from_this_hosts_shards(mwms):
   """The torch_xla call of multi-host input, run here with every replica local."""
   rows = torch.arange(4 * 2 * 3, dtype=torch.float32).reshape(4, 2, 3)
   (g,) = _multihost.from_local_shards([rows], [0, 1, 2, 3], 4)
-  (today,) = _multihost.place_host_rows([rows], range(4), 4)  # one host: place_split_many
+  (today,) = _multihost.place_host_rows([rows], range(4), 4)  # one host: place_split of a list
   import torch_xla
 
   for t in (g, today):
@@ -561,7 +561,7 @@ def test_each_host_builds_and_reads_only_its_own_replicas_values(monkeypatch):
     placed.append(list(replica_ids))
     full = torch.full((num_replicas,) + tuple(tensors[0].shape[1:]), -1.0)
     full[list(replica_ids)] = tensors[0]
-    return _runtime.place_split_many([full])
+    return _runtime.place_split([full])
 
   monkeypatch.setattr(_multihost, "place_host_rows", place_host_rows)
   calls = []
@@ -647,7 +647,7 @@ def test_preemption_on_one_host_makes_every_host_save_at_the_same_step(
       (num_replicas,) + tuple(tensors[0].shape[1:]), other_flag, dtype=tensors[0].dtype
     )
     full[list(replica_ids)] = tensors[0]
-    return _runtime.place_split_many([full])
+    return _runtime.place_split([full])
 
   monkeypatch.setattr(_multihost, "place_host_rows", place_host_rows)
   with s.scope():

@@ -30,6 +30,7 @@ import xladist as xd
 import xladist.checkpoint as xc
 from xladist._step import replay as _replay
 from xladist.runtime import xla as _runtime
+from xladist.runtime import xla_programs
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -368,7 +369,7 @@ def test_one_replayed_execution_in_flight(strategy, monkeypatch):
   finished executions at each launch."""
   _, step, x = _warm_square_step(strategy, width=128, depth=3, rows=64)
   _runtime.wait()
-  native = _replay._xla()
+  native = xla_programs._xlac()
   launched = []  # (launches so far, executions finished) at each replay's launch
 
   class Watching:
@@ -379,7 +380,7 @@ def test_one_replayed_execution_in_flight(strategy, monkeypatch):
       launched.append((len(launched), _runtime.execute_count()))
       return native._run_cached_graph(graph_hash, inputs)
 
-  monkeypatch.setattr(_replay, "_xla", Watching)
+  monkeypatch.setattr(xla_programs, "_xlac", Watching)
   start = _runtime.execute_count()
   for _ in range(12):
     strategy.run(step, (x,))  # no sync, no wait between the steps

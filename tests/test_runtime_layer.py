@@ -99,3 +99,48 @@ def test_the_facade_binds_every_name_of_the_interface_from_the_backend():
     if name != "initialize":
       assert getattr(runtime, name) is getattr(xla, name), name
   assert runtime.BACKEND in runtime.BACKENDS
+
+
+def _modules_above_the_runtime():
+  import pathlib
+
+  package = pathlib.Path(runtime.__file__).resolve().parent.parent
+  for path in sorted(package.rglob("*.py")):
+    if "runtime" not in path.relative_to(package).parts[:1]:
+      yield path.relative_to(package.parent), path.read_text()
+
+
+def test_layers_above_the_runtime_use_only_the_contract():
+  """Issue 33: every name a module above xladist/runtime/ reads from the facade
+  is an operation of the runtime contract (runtime/contract.py) or one of the
+  facade's own runtime-independent names; none reaches a runtime's internals
+  (torch_xla's bindings, torchax's arrays behind a tensor)."""
+  import ast
+
+  own = {"BACKEND", "backend", "call_with_timeout", "user_frame", "initialize"}
+  allowed = set(runtime.INTERFACE) | own
+  found = {}
+  for name, text in _modules_above_the_runtime():
+    tree = ast.parse(text)
+    aliases = set()
+    for node in ast.walk(tree):
+      if isinstance(node, ast.ImportFrom) and node.module == "xladist":
+        aliases |= {a.asname or a.name for a in node.names if a.name == "runtime"}
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Attribute):
+        if isinstance(node.value, ast.Name) and node.value.id in aliases:
+          if node.attr not in allowed:
+            found.setdefault(str(name), set()).add(node.attr)
+        if node.attr in ("_elem", "_XLAC") or node.attr.startswith("_xla_"):
+          found.setdefault(str(name), set()).add(node.attr)
+  assert found == {}
+  # the names of torch_xla's lazy-tensor idioms are gone from the facade too
+  for old in ("ir_id", "tensor_id", "next_tensor_id", "native", "patched", "sync_count"):
+    assert old not in allowed, old
+
+
+def test_the_selected_runtime_fulfils_the_contract():
+  from xladist.runtime import contract
+
+  assert contract.missing(runtime.backend) == []
+  assert set(runtime.INTERFACE) == {n for p in contract.PROTOCOLS for n in contract.operations(p)}

@@ -71,7 +71,7 @@ class CoreAxis:
 
   def __init__(self, num_replicas, device_id):
     self.num_cores = _runtime.cores_per_replica(num_replicas)
-    self.groups = _runtime.core_groups(num_replicas)
+    self.groups = _runtime.replica_groups(within=True, num_replicas=num_replicas)
     self.core_id = device_id % self.num_cores  # traced int32 scalar
 
   def psum(self, t):

@@ -94,7 +94,7 @@ def _end_previous_step():
   script that calls `torch_xla.sync()` after each step changes nothing (its
   sync is counted). The last step's work runs when a value is read (or at the
   next `run`)."""
-  if _steps_ended[0] is not None and _runtime.sync_count() == _steps_ended[0]:
+  if _steps_ended[0] is not None and _runtime.boundary_count() == _steps_ended[0]:
     seeds.STEP_SEEDS.sync_between_steps()
 
 
@@ -234,7 +234,7 @@ class Strategy(StrategyLegacy):
         return extended._call_for_each_replica(fn, args, kwargs, options)
     finally:
       if on_device:
-        _steps_ended[0] = _runtime.sync_count()
+        _steps_ended[0] = _runtime.boundary_count()
 
   def reduce(self, reduce_op, value, axis=None, destinations=None):
     """Reduces `value` across replicas (and along `axis` inside each replica).

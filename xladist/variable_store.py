@@ -448,7 +448,7 @@ class VariableStore:
         if on_read:
           stacked = _runtime.to_global(
             local.unsqueeze(0),
-            _runtime.replica_sharding(local.dim() + 1, n),
+            _runtime.sharding(local.dim() + 1, n),
             torch.Size((n,) + tuple(local.shape)),
           )
           copies = getattr(t, _COPIES, None)
@@ -608,8 +608,8 @@ def _write_stamp(t):
   (also `t.data.copy_`, whose version counter is another) and torch_xla's id
   of the tensor behind it (`.data =`, `set_`; ids are never reused)."""
   if torch._is_functional_tensor(t):
-    return (t._version, torch._functionalize_mutation_counter(t), _runtime.tensor_id(t))
-  return (t._version, _runtime.tensor_id(t))
+    return (t._version, torch._functionalize_mutation_counter(t), _runtime.creation_index(t))
+  return (t._version, _runtime.creation_index(t))
 
 
 def _watch_forward(module):
@@ -701,11 +701,11 @@ class Step:
 
   def watch(self, t):
     self._pins.append(torch.ops.aten.alias(t.data))
-    self._ids[id(t)] = _runtime.ir_id(t)
+    self._ids[id(t)] = _runtime.value_id(t)
     self.variable_ids = None
 
   def written(self, t):
-    return id(t) in self.created or _runtime.ir_id(t) != self._ids[id(t)]
+    return id(t) in self.created or _runtime.value_id(t) != self._ids[id(t)]
 
   def is_variable(self, tensor):
     if self.variable_ids is None:
@@ -718,26 +718,26 @@ class Step:
 
   def clean(self, tensors):
     """Which of `tensors` have no write since entry or their last combined write."""
-    return [t for t in tensors if _runtime.ir_id(t) == self._expected(t)]
+    return [t for t in tensors if _runtime.value_id(t) == self._expected(t)]
 
   def sanction(self, tensors):
     """Records the current values of `tensors` as written by a combining API."""
     for t in tensors:
       self._pins.append(torch.ops.aten.alias(t.data))
-      self._sanctioned[id(t)] = _runtime.ir_id(t)
+      self._sanctioned[id(t)] = _runtime.value_id(t)
 
   def is_aggregated(self, t):
     return any(a is t for a in self.aggregated)
 
   def sanctioned(self, t):
-    return id(t) in self._sanctioned and _runtime.ir_id(t) == self._sanctioned[id(t)]
+    return id(t) in self._sanctioned and _runtime.value_id(t) == self._sanctioned[id(t)]
 
   def updating(self, fn):
     """Calls `fn()` in an update context: what it writes is each replica's own
     component, as written (TF's extended.update)."""
-    before = [(t, _runtime.ir_id(t)) for t in self.aggregated]
+    before = [(t, _runtime.value_id(t)) for t in self.aggregated]
     result = fn()
-    self.sanction([t for t, ir in before if _runtime.ir_id(t) != ir])
+    self.sanction([t for t, ir in before if _runtime.value_id(t) != ir])
     return result
 
   def combining(self, fn):
@@ -747,5 +747,5 @@ class Step:
       return fn()
     clean = self.clean(self.aggregated)
     result = fn()
-    self.sanction([t for t in clean if _runtime.ir_id(t) != self._expected(t)])
+    self.sanction([t for t in clean if _runtime.value_id(t) != self._expected(t)])
     return result

@@ -46,7 +46,7 @@ def _train(strategy, steps, options=None, dropout=0.0, seed=0):
     opt.step()
     return loss
 
-  runtime.set_rng_seed(seed)
+  runtime.set_seed(seed)
   losses = [
     strategy.reduce("mean", strategy.run(step, args=batch, options=options), axis=None)
     for _ in range(steps)

@@ -93,7 +93,7 @@ def _train(monkeypatch, name, replay, dropout=True):
   strategy = xd.MirroredStrategy()
   assert strategy.num_replicas_in_sync == N
   torch.manual_seed(0)
-  _runtime.set_rng_seed(0)
+  _runtime.set_seed(0)
   with strategy.scope():
     model = _model()
     if not dropout:

@@ -144,7 +144,7 @@ class CompileWatch:
         if watch._synced is None:
           watch._synced = _runtime.compile_count()
 
-    _runtime.at_next_sync(at_sync)
+    _runtime.on_boundary(at_sync)
     self._queued = True
 
   def before_step(self, fn, args, kwargs, store, lazy_state=False):

@@ -13,8 +13,9 @@ around a step declares its own engine class, `extended._engine_class`):
     (`VariableStore.enter`: `Step.variables`, `Step.watch`);
 (b) run the body: `fn` is traced once for all replicas in a manual region,
     each variable bound to its replica-local view, in a replica context, with
-    host reads refused (`runtime.no_execution`) and torch_xla's own idioms made
-    safe (`xm_idioms.guarded`); `optimizer.step()` aggregates the gradients
+    host reads refused (`runtime.no_execution`) and the runtime library's own
+    idioms (torch_xla's xm.*) given xladist's meaning (`runtime.foreign_idioms`
+    with `_IDIOMS`); `optimizer.step()` aggregates the gradients
     first (`before_optimizer_step`), as does torch's gradient clipping
     (`aggregate_for_clipping`);
 (c) write back: the outputs leave the region as PerReplica or replicated
@@ -34,7 +35,7 @@ import traceback
 import torch
 from torch.optim import optimizer as torch_optimizer
 
-from xladist import context
+from xladist import collectives, context
 from xladist import runtime as _runtime
 from xladist._nest import flatten, tree_map, unflatten
 from xladist._step import hyper, seeds
@@ -43,9 +44,23 @@ from xladist._step.grad_clip import ensure_installed as _ensure_clipping_hook
 from xladist._step.region import HOST_READ_MESSAGE, Region
 from xladist._step.replay import PLACED, Replayer
 from xladist._step.tensors import StepTensors
-from xladist._step.xm_idioms import guarded as _xm_guarded
+from xladist.reduce_util import ReduceOp
 from xladist.replica_context import ReplicaContext
 from xladist.values import PerReplica
+
+
+def _step_replica_context():
+  """The ReplicaContext of the step's replica function (None elsewhere, e.g. in merge_fn)."""
+  ctx = context.get_replica_context()
+  return None if ctx is None or ctx._region is None else ctx
+
+
+# What the runtime library's own idioms mean inside a step (runtime.foreign_idioms).
+_IDIOMS = {
+  "replica_context": _step_replica_context,
+  "select_own": collectives.select_own,
+  "reduce_ops": {"sum": ReduceOp.SUM, "min": ReduceOp.MIN, "max": ReduceOp.MAX},
+}
 
 
 class StepEngine:
@@ -163,7 +178,7 @@ class StepEngine:
       # Python (a compiled graph would be traced into the program anyway).
       with (
         _runtime.no_execution(),
-        _xm_guarded(),
+        _runtime.foreign_idioms(_IDIOMS),
         made,
         single_threaded_autograd(),
         torch.compiler.set_stance("force_eager"),

@@ -56,7 +56,7 @@ class Region:
     self._core_axis = None
     # Tensors made before the step began have smaller XLA tensor ids: what the
     # step captured from outside is the same on every replica.
-    self._first_id = _runtime.next_tensor_id()
+    self._first_id = _runtime.creation_index()
     self._replicated_ids = set()  # local views of Mirrored / plain-tensor arguments
     self._variable_ids = None  # ids of the strategy's variables (arguments that are one)
 
@@ -97,7 +97,7 @@ class Region:
   @staticmethod
   def global_replicated(t):
     """A local tensor that is identical on every replica -> a replicated global."""
-    return _runtime.to_global(t, _runtime.replicated_sharding(t.dim()), t.shape)
+    return _runtime.to_global(t, _runtime.sharding(t.dim(), split=False), t.shape)
 
   def enter_value(self, value):
     if isinstance(value, PerReplica):
@@ -140,7 +140,7 @@ class Region:
   def is_replicated_input(self, tensor):
     """True for an XLA tensor that is the same on every replica by construction:
     a Mirrored or plain-tensor argument of `run`, or a tensor made before the step."""
-    return id(tensor) in self._replicated_ids or _runtime.tensor_id(tensor) < self._first_id
+    return id(tensor) in self._replicated_ids or _runtime.creation_index(tensor) < self._first_id
 
   # -- leaving --------------------------------------------------------------------
   def exit_value(self, value):
@@ -157,7 +157,7 @@ class Region:
         return self.global_replicated(value.detach())
       local = value.detach().unsqueeze(0)
       full = torch.Size((self.num_replicas,) + tuple(value.shape))
-      sharding = _runtime.replica_sharding(local.dim(), self.num_replicas)
+      sharding = _runtime.sharding(local.dim(), self.num_replicas)
       stacked = _runtime.to_global(local, sharding, full)
       return PerReplica._from_stacked(stacked, self.num_replicas)
     if isinstance(value, DistributedValues):

@@ -71,7 +71,7 @@ def follow_torch_seed(reseed=True):
   if seed != _torch_seed_seen[0]:
     _torch_seed_seen[0] = seed
     if reseed:
-      _runtime.set_running_seed(seed % (2**63))
+      _runtime.set_seed(seed % (2**63), running=True)
 
 
 def run_n(seed, n):
@@ -143,18 +143,18 @@ class _Seeds:
       if seed != base:
         base = seed
     if base != self.base:
-      _runtime.set_running_seed(base)
+      _runtime.set_seed(base, running=True)
       self.base = self.left = base
       self.virtual = None if end == base else end
 
   def start_step(self):
     """The seed the step's random ops start from (see the class docstring)."""
     if self.chain is not None:
-      seed = _runtime.running_seed()
+      seed = _runtime.seed(running=True)
       self.chain.append(seed)
       return seed
-    marks = _runtime.sync_count()
-    running = _runtime.running_seed()
+    marks = _runtime.boundary_count()
+    running = _runtime.seed(running=True)
     if marks != self.marks or running != self.left:
       # A sync moved the base on, or the seed was set (torch.manual_seed, a
       # checkpoint restore), or random ops ran outside a step: start afresh.
@@ -162,7 +162,7 @@ class _Seeds:
     seed = running if self.virtual is None else self.virtual
     self.virtual = None
     if seed != self.base:
-      _runtime.set_running_seed(seed)
+      _runtime.set_seed(seed, running=True)
       self.base = self.left = seed
     return seed
 
@@ -171,15 +171,15 @@ class _Seeds:
     it) and leaves the random numbers as they were: torch_xla's sync moves its
     seed on, which would make the next step's draws depend on whether this cut
     happened (and so differ between replayed and traced runs)."""
-    running = _runtime.running_seed()
-    counted = self.marks == _runtime.sync_count()
+    running = _runtime.seed(running=True)
+    counted = self.marks == _runtime.boundary_count()
     _runtime.sync()
-    _runtime.set_running_seed(running)
+    _runtime.set_seed(running, running=True)
     if counted:
-      self.marks = _runtime.sync_count()
+      self.marks = _runtime.boundary_count()
 
   def after_trace(self):
-    self.left = _runtime.running_seed()
+    self.left = _runtime.seed(running=True)
     return self.left
 
   def after_replay(self, seed, draws):
@@ -549,7 +549,7 @@ def get_rng_state(device=None):
   log = _active_log()
   if log is not None:
     return _pack(_POSITION, log.position)
-  seed = _runtime.running_seed()
+  seed = _runtime.seed(running=True)
   if isinstance(seed, int):
     return _pack(_SEED, seed)
   number = next(reversed(_KEYS), -1) + 1
@@ -581,9 +581,9 @@ def set_rng_state(new_state, device=None):
         f"torch.{_runtime.DEVICE_KIND}.set_rng_state: this state is older than the "
         f"last {_MAX_KEYS} states taken; take it again with get_rng_state()."
       )
-    _runtime.set_running_seed(_KEYS[value])
+    _runtime.set_seed(_KEYS[value], running=True)
   else:
-    _runtime.set_running_seed(value)
+    _runtime.set_seed(value, running=True)
 
 
 def register_device_module():

@@ -181,7 +181,7 @@ def rng_state():
   # The XLA seed belongs to the runtime's default device; it is read only once
   # a strategy started the runtime (starting it here would choose a device,
   # and in the wrong mode).
-  seed = _runtime.rng_seed()
+  seed = _runtime.seed()
   if seed is not None:
     state["xla"] = seed
   return state
@@ -191,7 +191,7 @@ def set_rng_state(state):
   set_host_rng_state(state)
   if _runtime.is_initialized():
     if "xla" in state:
-      _runtime.set_rng_seed(state["xla"])
+      _runtime.set_seed(state["xla"])
     seeds.follow_torch_seed(reseed=False)  # the restored XLA state stands
 
 

@@ -99,7 +99,7 @@ class ClusterResolver:
     del task_type, task_id, config_proto
     runtime = _runtime.initialize()
     kind = "TPU" if runtime.device_type == "TPU" else "XLA"
-    return {kind: _runtime.addressable_device_count()}
+    return {kind: len(_runtime.process_devices()[2])}
 
 
 def is_chief(cluster_resolver):

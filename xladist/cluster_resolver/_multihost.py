@@ -206,7 +206,7 @@ def runtime_env(cluster, device_type, api, environ=None, backend=None):
   On the jax runtime (`backend` "jax"; default: `xladist.runtime.BACKEND`),
   for any device type: `XLADIST_JAX_COORDINATOR` (the chief's "host:port"; port
   8547 if the address has none), `XLADIST_JAX_NUM_PROCESSES` and
-  `XLADIST_JAX_PROCESS_ID`, from which runtime/jax_runtime.py calls
+  `XLADIST_JAX_PROCESS_ID`, from which runtime/jax_devices.py calls
   `jax.distributed.initialize` (gloo collectives on CPU). `device_type` is not
   used there, so it may be a function that returns it (asking the jax runtime
   its device type starts it, which must happen after these variables are set).
@@ -343,7 +343,7 @@ def _join_message(cluster, api, timeout_seconds, env):
 
 
 def _process_count_index():
-  return _runtime.process_count_index()
+  return _runtime.process_devices()[:2]
 
 
 def _start_jax(cluster, api, timeout, env):
@@ -549,15 +549,15 @@ def place_host_rows(tensors, replica_ids, num_replicas):
 
   `tensors` are host tensors of shape (len(replica_ids), ...) whose row i is
   replica `replica_ids[i]`'s. With every replica local (one host) this is
-  exactly `_runtime.place_split_many(tensors)`. Otherwise each row goes to
+  exactly `_runtime.place_split(tensors)`. Otherwise each row goes to
   its own (local) device and the global tensor of shape (num_replicas, ...)
   is assembled by torch_xla from the hosts' shards (`_global_tensor_from_cpu_
   shards`); rows of other hosts never leave those hosts.
   """
   if len(replica_ids) == num_replicas:
-    return _runtime.place_split_many(tensors)
+    return _runtime.place_split(tensors)
   order = local_shard_rows(
-    _runtime.runtime_devices(),
+    _runtime.process_devices()[2],
     replica_ids,
     cores_per_replica=_runtime.cores_per_replica(num_replicas),
   )
@@ -617,7 +617,7 @@ def from_local_shards(tensors, order, num_replicas):
     shards = [t[i : i + 1] for i in order]
     out.append(
       _runtime.global_from_local_shards(
-        shards, _runtime.replica_sharding(t.dim(), num_replicas), [num_replicas] + list(t.shape[1:])
+        shards, _runtime.sharding(t.dim(), num_replicas), [num_replicas] + list(t.shape[1:])
       )
     )
   return out

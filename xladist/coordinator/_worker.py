@@ -119,17 +119,17 @@ class _Run:
     with torch.no_grad():
       for t, var_id, value, cpu in zip(tensors, var_ids, placed, values):
         t.data = value
-        self.base[var_id] = (_runtime.tensor_id(t), t._version, cpu)
+        self.base[var_id] = (_runtime.creation_index(t), t._version, cpu)
 
   def written(self):
     """(VarInfo, tensor, value before) of the variables the function may have
     written: those written in place or replaced since they were read (version
-    counter, torch_xla's tensor id) and every non-trainable one (torch_xla's
+    counter, the runtime's creation index) and every non-trainable one (torch_xla's
     batch-norm kernel updates running statistics without touching either)."""
     out = []
     for var_id, (info, t) in self.used.items():
-      tensor_id, version, before = self.base[var_id]
-      if not info.trainable or _runtime.tensor_id(t) != tensor_id or t._version != version:
+      created, version, before = self.base[var_id]
+      if not info.trainable or _runtime.creation_index(t) != created or t._version != version:
         out.append((info, t, before))
     return out
 

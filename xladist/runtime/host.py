@@ -9,6 +9,11 @@ _SKIP_FRAMES = tuple(
 ) + (os.sep + "contextlib.py",)
 
 
+class HostReadInStep(RuntimeError):
+  """A step's traced value was read on the host while the step was traced
+  (every runtime raises this one class: runtime/contract.py `no_execution`)."""
+
+
 def frame_outside(frames):
   """'at file:line: code' of the innermost frame outside torch, the runtime
   libraries and xladist."""

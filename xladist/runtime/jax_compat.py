@@ -1,6 +1,6 @@
 """What the jax runtime takes from JAX beyond its public API, in one place.
 
-The jax runtime builds a step's program as a jaxpr (jax_runtime.py,
+The jax runtime builds a step's program as a jaxpr (jax_programs.py,
 `traced_step`). Whatever has a public form comes from it: `jax.extend.core`
 (`ClosedJaxpr`, `Jaxpr`, `Literal`, `Var`, `set_current_trace`), `jax.core`
 (`ShapedArray`, `Tracer`, `eval_jaxpr`), `jax.jit`, `jax.shard_map`. The rest

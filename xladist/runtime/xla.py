@@ -346,22 +346,18 @@ def mesh(num_replicas=None):
   return xs.Mesh(np.arange(n), (n // k, k), (REPLICA_AXIS, CORE_AXIS))
 
 
-def replica_groups(num_replicas=None):
-  """The groups (global device ids) of a collective over the replicas.
+def replica_groups(num_replicas=None, within=False):
+  """The groups (global device ids) of a collective over the replicas or, with
+  `within`, over each replica's devices.
 
-  With k devices per replica there are k groups, one per core index: core c of
-  every replica reduces with core c of the others.
+  With k devices per replica there are k groups across replicas, one per core
+  index: core c of every replica reduces with core c of the others.
   """
   n = num_devices()
   k = cores_per_replica(num_replicas)
+  if within:
+    return [list(range(r, r + k)) for r in range(0, n, k)]
   return [list(range(c, n, k)) for c in range(k)]
-
-
-def core_groups(num_replicas):
-  """The groups (global device ids) of a collective over one replica's devices."""
-  n = num_devices()
-  k = cores_per_replica(num_replicas)
-  return [list(range(r, r + k)) for r in range(0, n, k)]
 
 
 @functools.cache
@@ -376,12 +372,17 @@ def replica_sharding(ndim, num_replicas=None):
   return mesh(num_replicas).get_op_sharding((0,) + (None,) * (ndim - 1))
 
 
+def sharding(ndim, num_replicas=None, split=True):
+  """The OpSharding of an `ndim` tensor split along dim 0 over the replicas, or replicated."""
+  return replica_sharding(ndim, num_replicas) if split else replicated_sharding(ndim)
+
+
 @functools.cache
-def device_sharding(num_replicas):
-  """A 1-D tensor of one element per device: element d on device d."""
+def device_sharding(num_replicas, ndim=1):
+  """A tensor of one row per device (dim 0), row d on device d."""
   if cores_per_replica(num_replicas) == 1:
-    return replica_sharding(1, num_replicas)
-  return mesh(num_replicas).get_op_sharding(((0, 1),))
+    return replica_sharding(ndim, num_replicas)
+  return mesh(num_replicas).get_op_sharding(((0, 1),) + (None,) * (ndim - 1))
 
 
 @functools.cache
@@ -409,7 +410,10 @@ def _xlac():
 
 
 def place_replicated(tensor):
-  """Copies `tensor` to the XLA device, replicated on every device of the mesh."""
+  """Copies `tensor` to the XLA device, replicated on every device of the mesh
+  (a list: each of them, host tensors in one transfer call)."""
+  if isinstance(tensor, (list, tuple)):
+    return _replicate_many(tensor)
   t = tensor.detach()
   if t.device.type != "xla":
     t = t.to(device())
@@ -429,22 +433,24 @@ def place_split(tensor):
   """Puts a tensor of shape (R, ...) on the mesh of R replicas, row r on replica r.
 
   Each row of a host tensor is transferred straight to its device(s) (no
-  replicate-then-reshard).
+  replicate-then-reshard); a list of host tensors goes in one transfer call.
   """
+  if isinstance(tensor, (list, tuple)):
+    return _place_split_many(tensor)
   if tensor.device.type == "xla":
     _xlac()._xla_mark_sharding(tensor, replica_sharding(tensor.dim(), tensor.shape[0]))
     return tensor
-  return place_split_many([tensor])[0]
+  return _place_split_many([tensor])[0]
 
 
 def place_per_device(tensor, num_replicas):
   """Puts a host tensor of shape (num_devices, ...) on the mesh, row d on device d."""
   t = tensor.to(device())
-  _xlac()._xla_mark_sharding(t, device_sharding(num_replicas))
+  _xlac()._xla_mark_sharding(t, device_sharding(num_replicas, t.dim()))
   return t
 
 
-def place_split_many(tensors):
+def _place_split_many(tensors):
   """`place_split` of several host tensors, all transferred in one call."""
   import torch_xla
 
@@ -461,23 +467,21 @@ def to_local(global_tensor):
   return _xlac()._spmd_full_to_shard_shape(global_tensor)
 
 
-def ir_id(tensor):
-  """An id of the IR value (or device data) behind an XLA tensor: it changes when
+def value_id(tensor):
+  """The id of the IR value (or device data) behind an XLA tensor: it changes when
   the tensor is written (in place, by `.data =`, or by a torch_xla kernel such as
   batch norm's running-statistics update, which does not bump `_version`)."""
   return _xlac()._unique_id_for_ir_and_data(tensor)
 
 
-def tensor_id(tensor):
-  """torch_xla's id of an XLA tensor; ids grow with every tensor made."""
+def creation_index(tensor=None):
+  """torch_xla's id of an XLA tensor (ids grow with every tensor made), or
+  (None) one larger than that of every XLA tensor made so far."""
+  if tensor is None:
+    import torch
+
+    tensor = torch.empty((), device=device())
   return _xlac()._xla_get_tensor_id(tensor)
-
-
-def next_tensor_id():
-  """An id larger than that of every XLA tensor made so far."""
-  import torch
-
-  return tensor_id(torch.empty((), device=device()))
 
 
 def to_global(local_tensor, op_sharding, full_shape):
@@ -491,14 +495,10 @@ def spmd_all_reduce(op_name, tensor, scale, groups):
   """An HLO all-reduce with global device ids (manual regions only).
 
   `op_name` is "sum", "min" or "max"; the result is multiplied by `scale`.
-  `groups`: replica_groups(...) (across replicas) or core_groups(...) (across
-  one replica's devices).
+  `groups`: replica_groups(...) (across replicas) or replica_groups(...,
+  within=True) (across one replica's devices).
   """
   return _xlac()._xla_spmd_all_reduce(op_name, tensor, scale, groups)
-
-
-class HostReadInStep(RuntimeError):
-  """torch_xla refused to execute a graph while a step was being traced."""
 
 
 @contextlib.contextmanager
@@ -513,7 +513,7 @@ def no_execution():
     if "Unexpected execution" in str(e):
       from xladist.runtime import host
 
-      raise HostReadInStep(host.frame_outside(traceback.extract_tb(e.__traceback__))) from None
+      raise host.HostReadInStep(host.frame_outside(traceback.extract_tb(e.__traceback__))) from None
     raise
   finally:
     x._set_allow_execution(saved)
@@ -521,13 +521,6 @@ def no_execution():
 
 # runtime/host.py, imported when used: this module's device detection runs in
 # a process that has imported neither torch nor xladist yet.
-def user_frame():
-  """'at file:line: code' of the innermost frame outside torch, the runtimes and xladist."""
-  from xladist.runtime import host
-
-  return host.user_frame()
-
-
 def call_with_timeout(fn, timeout_seconds, message):
   """runtime/host.py's bounded wait."""
   from xladist.runtime import host
@@ -535,11 +528,18 @@ def call_with_timeout(fn, timeout_seconds, message):
   return host.call_with_timeout(fn, timeout_seconds, message)
 
 
-def sync(tensors=None):
-  """Cuts the pending graph and starts its execution (asynchronously)."""
+def sync(tensors=None, boundary=True):
+  """Cuts the pending graph and starts its execution (asynchronously).
+
+  `boundary=False`: every pending tensor is cut without a MarkStep (no step
+  closures, `boundary_count` unchanged; a sync of some tensors only would let
+  torch_xla give their input buffers to the outputs while other pending
+  tensors still read them)."""
   import torch_xla
 
-  if tensors is None:
+  if not boundary:
+    _xlac()._xla_sync_live_tensors("", [], wait=False)
+  elif tensors is None:
     torch_xla.sync()
   else:
     _xlac()._xla_sync_multi(list(tensors), devices=[], wait=False)
@@ -638,7 +638,7 @@ def to_host(tensors):
   return list(_xlac()._xla_get_cpu_tensors(list(tensors)))
 
 
-def replicate_many(tensors):
+def _replicate_many(tensors):
   """Host tensors -> XLA tensors replicated on every device, in one transfer call."""
   import torch_xla.distributed.spmd as xs
 
@@ -648,23 +648,13 @@ def replicate_many(tensors):
   return _xlac()._xla_tensors_from_aten(ts, [str(device())] * len(ts), specs)
 
 
-def runtime_devices():
-  """This process's devices as torch_xla names them ("TPU:4", "CPU:0", ...)."""
-  return list(_xlac()._xla_get_runtime_devices())
-
-
-def addressable_device_count():
-  import torch_xla.runtime as xr
-
-  return xr.addressable_runtime_device_count()
-
-
-def process_count_index():
-  """(number of processes of the runtime, this process's index); starts the runtime."""
+def process_devices():
+  """(number of processes of the runtime, this process's index, this process's
+  devices as torch_xla names them: "TPU:4", "CPU:0", ...); starts the runtime."""
   initialize()
   import torch_xla.runtime as xr
 
-  return xr.process_count(), xr.process_index()
+  return xr.process_count(), xr.process_index(), list(_xlac()._xla_get_runtime_devices())
 
 
 def local_shards(tensor):
@@ -677,8 +667,11 @@ def global_from_local_shards(shards, op_sharding, full_shape):
   return _xlac()._global_tensor_from_cpu_shards(shards, op_sharding, full_shape)
 
 
-def rng_seed():
-  """The runtime's RNG state (an int), or None before a strategy started it."""
+def seed(running=False):
+  """The runtime's RNG state (an int; None before a strategy started it), or
+  (running=True) torch_xla's running seed, moved on by every random op traced."""
+  if running:
+    return _xlac()._xla_get_rng_seed()
   if _state is None:
     return None
   import torch_xla.core.xla_model as xm
@@ -686,47 +679,13 @@ def rng_seed():
   return int(xm.get_rng_state())
 
 
-def set_rng_seed(seed):
+def set_seed(value, running=False):
+  if running:
+    _xlac()._xla_set_rng_seed(value, "")
+    return
   import torch_xla.core.xla_model as xm
 
-  xm.set_rng_state(int(seed))
-
-
-_PATCHABLE = {
-  "torch_xla": "torch_xla",
-  "xm": "torch_xla.core.xla_model",
-  "xr": "torch_xla.runtime",
-  "_XLAC": "torch_xla._XLAC",
-}
-
-
-@contextlib.contextmanager
-def patched(replacements):
-  """Replaces attributes of torch_xla's modules while the block runs.
-
-  `replacements`: {(module key, name): value}, module key one of "torch_xla",
-  "xm" (torch_xla.core.xla_model), "xr" (torch_xla.runtime), "_XLAC". Names the
-  module does not have are left alone. Everything is put back on exit.
-  """
-  import importlib
-
-  import torch_xla
-
-  modules = {
-    key: torch_xla._XLAC if key == "_XLAC" else importlib.import_module(name)
-    for key, name in _PATCHABLE.items()
-  }
-  saved = []
-  try:
-    for (key, name), value in replacements.items():
-      owner = modules[key]
-      if hasattr(owner, name):
-        saved.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, value)
-    yield
-  finally:
-    for owner, name, value in reversed(saved):
-      setattr(owner, name, value)
+  xm.set_rng_state(int(value))
 
 
 def checkpoint_planners():
@@ -770,35 +729,17 @@ def graph_hash(tensors):
   return _xlac()._get_graph_hash(list(tensors))
 
 
-def at_next_sync(callback):
+def on_boundary(callback):
   """Runs `callback()` when the next program of this process is cut (a step closure)."""
   import torch_xla.core.xla_model as xm
 
   xm.add_step_closure(callback)
 
 
-def native():
-  """torch_xla's C++ bindings (`torch_xla._XLAC`), for the replay of traced
-  programs (`_replay.py`), which only this runtime offers."""
-  return _xlac()
-
-
-def running_seed():
-  """torch_xla's running random-number seed (moved on by every random op traced)."""
-  return _xlac()._xla_get_rng_seed()
-
-
-def set_running_seed(seed):
-  _xlac()._xla_set_rng_seed(seed, "")
-
-
-def sync_count():
+def boundary_count():
   """How many times the graph was cut in this process (torch_xla's MarkStep count)."""
   value = _xlac()._xla_counter_value("MarkStep")
   return 0 if value is None else value
-
-
-REPLAY_KIND = "graph"  # replay.py reads the traced graph through `native()`
 
 
 def require(api):
@@ -806,34 +747,43 @@ def require(api):
   del api
 
 
-def run_program_steps(program, consts, plan, fixed, carried, stacked):
-  """The jax runtime's (replay.py: REPLAY_KIND)."""
-  raise RuntimeError("xladist: run_program_steps is the jax runtime's (replay.py: REPLAY_KIND)")
+REPLAY_KIND = "graph"  # runtime/xla_programs.py: a step's program is cut from its outputs
+
+# Contract names defined in this runtime's other modules, bound when first read
+# (PEP 562): this module's device detection runs in a process that has imported
+# neither torch nor xladist (tests/test_runtime_detection.py).
+_ELSEWHERE = {
+  "HostReadInStep": "xladist.runtime.host",
+  "PendingInput": "xladist.runtime.xla_programs",
+  "in_traced_step": "xladist.runtime.xla_programs",
+  "last_program": "xladist.runtime.xla_programs",
+  "run_program": "xladist.runtime.xla_programs",
+  "run_program_steps": "xladist.runtime.xla_programs",
+  "with_scalars": "xladist.runtime.xla_programs",
+}
 
 
-def stack_steps(arrays):
-  """The jax runtime's (replay.py: REPLAY_KIND)."""
-  raise RuntimeError("xladist: stack_steps is the jax runtime's (replay.py: REPLAY_KIND)")
+def __getattr__(name):
+  where = _ELSEWHERE.get(name)
+  if where is None:
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  return getattr(importlib.import_module(where), name)
 
 
-def in_traced_step():
-  """torch_xla records steps lazily: no step has a trace of its own to be inside."""
-  return False
+def buffer_ids(tensors):
+  """xla_programs.buffer_ids after the executions in flight (a buffer still
+  being computed has no handle yet: reading one crashes torch_xla 2.9)."""
+  from xladist.runtime import xla_programs
+
+  wait()
+  return xla_programs.buffer_ids(tensors)
 
 
-def last_program():
-  """The jax runtime's; torch_xla's programs are found through `native()`."""
-  raise RuntimeError("xladist: last_program is the jax runtime's (replay.py: REPLAY_KIND)")
+def foreign_idioms(handlers):
+  """runtime/xla_idioms.py: torch_xla's xm.* idioms inside a traced step."""
+  from xladist.runtime import xla_idioms
 
-
-def run_program(program, consts, inputs):
-  """The jax runtime's; torch_xla replays with `native()`'s cached graphs."""
-  raise RuntimeError("xladist: run_program is the jax runtime's (replay.py: REPLAY_KIND)")
-
-
-def with_scalars(consts, vectors):
-  """The jax runtime's; torch_xla feeds a program's scalars as device data."""
-  raise RuntimeError("xladist: with_scalars is the jax runtime's (replay.py: REPLAY_KIND)")
+  return xla_idioms.foreign_idioms(handlers)
 
 
 def traced_step(body):

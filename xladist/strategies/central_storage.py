@@ -309,7 +309,7 @@ class CentralStorageExtended(SPMDExtended):
       if host is not None:
         self._refresh_host_components(x, host)
         ReplicaCopies(host.stacked, n, host.aggregation).copy_to(t)
-      twins[id(t)] = (t, x, _runtime.ir_id(t))
+      twins[id(t)] = (t, x, _runtime.value_id(t))
     return twins
 
   def _host_variables(self):
@@ -351,7 +351,7 @@ class CentralStorageExtended(SPMDExtended):
         written = True
       else:
         _, x, ir = entry
-        written = _runtime.ir_id(t) != ir
+        written = _runtime.value_id(t) != ir
       copies = copies_of(t)
       stacked = copies.stacked if copies is not None and written else None
       slots = [t.detach() if written else None, t.grad, stacked]
@@ -401,7 +401,7 @@ class CentralStorageExtended(SPMDExtended):
     return super().read_var(var)
 
 
-_replicate_many = _runtime.replicate_many
+_replicate_many = _runtime.place_replicated
 
 
 class CentralStorageStrategy(Strategy):

@@ -66,7 +66,7 @@ class SPMDExtended(StrategyExtended):
     n = self._num_replicas_in_sync
     is_dev = _runtime.is_device_tensor
     host = [t for t in tensors if not is_dev(t) and t.dim() > 1]
-    placed = iter(_runtime.place_split_many(host) if host else ())
+    placed = iter(_runtime.place_split(host) if host else ())
 
     def place(t):
       if is_dev(t):

@@ -160,7 +160,7 @@ class MultiWorkerExtended(SPMDExtended):
     """This host's devices must be its replicas' (checked at start, not at the first batch)."""
     if self._host_replicas is not None:
       _multihost.local_shard_rows(
-        _runtime.runtime_devices(),
+        _runtime.process_devices()[2],
         self._host_replicas,
         self._api,
         self._cores_per_replica,

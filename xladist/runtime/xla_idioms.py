@@ -26,15 +26,19 @@ ends, also on errors):
 
 The raw collective bindings are guarded too, for code that imported the
 functions before the step (`from torch_xla.core.xla_model import all_reduce`).
+
+This is the torch_xla runtime's `foreign_idioms` (runtime/contract.py): the step
+engine hands over xladist's meaning of each idiom (`handlers`: the current
+replica context, how a replica picks its own block, the reduce ops), and this
+module knows torch_xla's names and signatures.
 """
+
+import contextlib
+import importlib
 
 import torch
 
-from xladist import collectives, context
-from xladist import runtime as _runtime
-from xladist.reduce_util import ReduceOp
-
-_REDUCE = {"sum": ReduceOp.SUM, "min": ReduceOp.MIN, "max": ReduceOp.MAX}
+_handlers = {}  # the step engine's, while a step is traced (`foreign_idioms`)
 
 _RAISING_BINDINGS = (
   "_xla_all_reduce",
@@ -74,8 +78,8 @@ _UNSUPPORTED = (
 
 
 def _ctx(api):
-  ctx = context.get_replica_context()
-  if ctx is None or ctx._region is None:
+  ctx = _handlers["replica_context"]()
+  if ctx is None:
     raise RuntimeError(
       f"xm.{api} inside strategy.run can only be used in the replica context (the "
       "step function), not inside merge_fn; there use strategy.reduce / "
@@ -98,7 +102,7 @@ def _check_groups(groups, api, n):
 
 def all_reduce(reduce_type, inputs, scale=1.0, groups=None, pin_layout=True):
   ctx = _ctx("all_reduce")
-  op = _REDUCE.get(reduce_type)
+  op = _handlers["reduce_ops"].get(reduce_type)
   if op is None:
     raise ValueError(
       f"xm.all_reduce({reduce_type!r}, ...) inside strategy.run: xladist reduces with "
@@ -154,7 +158,7 @@ def reduce_scatter(
       f"divide into {n} shards."
     )
   shards = moved.reshape((n, moved.shape[0] // n) + tuple(moved.shape[1:]))
-  own = collectives.select_own(shards, ctx.replica_id_in_sync_group).movedim(0, scatter_dim)
+  own = _handlers["select_own"](shards, ctx.replica_id_in_sync_group).movedim(0, scatter_dim)
   if output is not None:
     with torch.no_grad():
       output.copy_(own)
@@ -209,16 +213,35 @@ def _raw_binding(name):
 
 def _sync_binding(name):
   def refuse(*args, **kwargs):
-    raise _runtime.HostReadInStep(
-      f"{_runtime.user_frame()} (torch_xla.sync, xm.mark_step or another host sync)"
+    from xladist.runtime import host
+
+    raise host.HostReadInStep(
+      f"{host.user_frame()} (torch_xla.sync, xm.mark_step or another host sync)"
     )
 
   return refuse
 
 
-def guarded():
+@contextlib.contextmanager
+def foreign_idioms(handlers):
   """Replaces torch_xla's collective and sync idioms while a step is traced
-  (a context manager; the runtime swaps them in its own modules)."""
+  (put back when the block ends, also on errors).
+
+  `handlers`: {"replica_context": () -> the current ReplicaContext inside a
+  step's replica function, else None; "select_own": (stacked, replica id) ->
+  the replica's own row; "reduce_ops": {"sum" | "min" | "max": ReduceOp}}.
+  """
+  saved_handlers = dict(_handlers)
+  _handlers.update(handlers)
+  try:
+    with _patched(_replacements()):
+      yield
+  finally:
+    _handlers.clear()
+    _handlers.update(saved_handlers)
+
+
+def _replacements():
   replacements = {
     ("xm", "all_reduce"): all_reduce,
     ("xm", "all_gather"): all_gather,
@@ -239,4 +262,39 @@ def guarded():
     replacements["_XLAC", name] = _raw_binding(name)
   for name in _SYNC_BINDINGS:
     replacements["_XLAC", name] = _sync_binding(name)
-  return _runtime.patched(replacements)
+  return replacements
+
+
+_PATCHABLE = {
+  "torch_xla": "torch_xla",
+  "xm": "torch_xla.core.xla_model",
+  "xr": "torch_xla.runtime",
+  "_XLAC": "torch_xla._XLAC",
+}
+
+
+@contextlib.contextmanager
+def _patched(replacements):
+  """Replaces attributes of torch_xla's modules while the block runs.
+
+  `replacements`: {(module key, name): value}, module key one of "torch_xla",
+  "xm" (torch_xla.core.xla_model), "xr" (torch_xla.runtime), "_XLAC". Names the
+  module does not have are left alone. Everything is put back on exit.
+  """
+  import torch_xla
+
+  modules = {
+    key: torch_xla._XLAC if key == "_XLAC" else importlib.import_module(name)
+    for key, name in _PATCHABLE.items()
+  }
+  saved = []
+  try:
+    for (key, name), value in replacements.items():
+      owner = modules[key]
+      if hasattr(owner, name):
+        saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+    yield
+  finally:
+    for owner, name, value in reversed(saved):
+      setattr(owner, name, value)

@@ -1,0 +1,450 @@
+"""Capturing a traced step (replay.py): `_Attempt` lists the step's slots and
+arguments with their buffer ids before the trace, and after it finds the
+step's program (`runtime.last_program`), maps each input to a slot, an
+argument, the seed, a hyperparameter or a constant and each result to a
+returned leaf or a written slot, runs the captured program (the "graph" form)
+and offers it to its key's entry (promoted when two captures agree).
+"""
+
+import warnings
+
+import numpy as np
+import torch
+
+from xladist import runtime as _runtime
+from xladist._nest import flatten, unflatten
+from xladist._step import hyper, seeds
+from xladist._step.replay_program import (
+  _PLAIN,
+  ARG,
+  CONST,
+  DROP,
+  HYPER,
+  RET,
+  SEED,
+  SLOT,
+  _arg_entry,
+  _arg_global,
+  _ConstView,
+  _debug,
+  _differs,
+  _NotCapturable,
+  _program_record,
+  _signed,
+  _torch_dtype,
+  _weak,
+  _write_back,
+  logger,
+)
+from xladist._step.replay_slots import (
+  GRAD,
+  _free_slots,
+  _host_change,
+  _host_state,
+  _slots,
+)
+from xladist.values import _NOT_CONSTANT, Mirrored, PerReplica
+
+
+class _Attempt:
+  """A traced step: plain (seed bookkeeping only) or captured (compiled and run
+  when `run` returns; left lazy when it cannot be)."""
+
+  def __init__(self, replayer, fn, entry, leaves, spec, verify, seed):
+    self._replayer = replayer
+    self._entry = entry
+    self._verify = verify
+    self._seed0 = seed
+    self.args = self.kwargs = None
+    self.group = False  # the attempt of experimental_run_steps' group, not of a step
+    self.hypers = None  # the step's hyper.Swapped (set by the engine after the trace)
+    self._ready = False
+    if entry is not None:
+      self._prepare(fn, leaves, spec)
+
+  def wants_hypers(self):
+    """Whether the trace should note the optimizers' hyperparameters (hyper.py):
+    when its program may be captured (or it is one of a group's steps)."""
+    return self._entry is not None or self._replayer._in_group
+
+  # -- before the trace ---------------------------------------------------------------------
+  def _prepare(self, fn, leaves, spec):
+    rep = self._replayer
+    store = rep._store
+    self._step = (fn, spec, leaves)
+    slots = _slots(store) + _free_slots(fn)
+    values = [s.get() for s in slots]
+    globals_ = []
+    new_leaves = list(leaves)
+    for i, leaf in enumerate(leaves):
+      if isinstance(leaf, (PerReplica, Mirrored, torch.Tensor)):
+        if isinstance(leaf, PerReplica) and leaf._constant() is not _NOT_CONSTANT:
+          globals_.append(None)
+          continue
+        try:
+          g = _arg_global(leaf, rep._n)
+        except _NotCapturable as e:
+          return self._record(f"not captured: {e}")
+        if not isinstance(leaf, PerReplica) and g is not (
+          leaf.primary if isinstance(leaf, Mirrored) else leaf
+        ):
+          new_leaves[i] = g  # a host tensor enters as the tensor placed here: an input
+        globals_.append(g)
+      else:
+        globals_.append(None)
+    self.args, self.kwargs = unflatten(spec, new_leaves)
+    if any(v is None for v in values):
+      return self._record("not captured: a state slot has no value")
+    # An input is recognised by the identity of its device buffer.
+    arg_tensors = [g for g in globals_ if g is not None]
+    handles = _runtime.buffer_ids(values + arg_tensors)
+    if any(h is None for h in handles[: len(values)]):
+      return self._record(
+        "not captured: a variable or optimizer state has a computation pending (run now)"
+      )
+    pending_args = [t for t, h in zip(arg_tensors, handles[len(values) :]) if h is None]
+    if pending_args:
+      _runtime.sync(pending_args)
+      handles = _runtime.buffer_ids(values + arg_tensors)
+    by_handle = {}
+    ambiguous = set()
+    for i, h in enumerate(handles[: len(values)]):
+      if h in by_handle and values[by_handle[h][1]] is not values[i]:
+        ambiguous.add(h)
+      by_handle.setdefault(h, (SLOT, i))
+    k = len(values)
+    for i, g in enumerate(globals_):
+      if g is None:
+        continue
+      h = handles[k]
+      k += 1
+      if h in by_handle:
+        ambiguous.add(h)
+      by_handle.setdefault(h, (ARG, i))
+    self._slots = slots
+    self._by_handle = by_handle
+    self._ambiguous = ambiguous
+    self._held = (values, globals_)  # keeps the buffers (and so their ids) alive
+    self._uids = [_runtime.value_id(v) for v in values]
+    self._host = _host_state(store)
+    self._groups = hyper.group_values(list(store.optimizers()))
+    self._ready = True
+
+  # -- after the trace ------------------------------------------------------------------------
+  def abandon(self):
+    """The trace failed: keep the seed bookkeeping right."""
+    seeds.STEP_SEEDS.after_trace()
+
+  def finish(self, result):
+    """Captures the traced step when it can (compiling and running its program
+    now), and returns the step's result."""
+    seed1 = seeds.STEP_SEEDS.after_trace()
+    rep = self._replayer
+    if self._entry is None:
+      if rep._in_group and self.hypers is not None:
+        rep._group_hypers.append(self.hypers)
+      return result
+    if not self._ready:
+      self._cut()
+      return result
+    rep = self._replayer
+    try:
+      prog, values = self._analyse(result, seed1)
+    except _NotCapturable as e:
+      # Left lazy, as without replay: the next `strategy.run` (or a read) runs it.
+      self._refused(str(e), e.permanent)
+      return result
+    if _runtime.REPLAY_KIND != "program":
+      # Run the captured step itself: its inputs are the traced graph's device data.
+      results = _runtime.run_program(*prog.runtime_program, values)
+      result = _write_back(prog, results, rep._n)
+    rep.captures += 1
+    self._offer(prog)
+    if self._entry.promoted and not self.group:
+      # Confirmed (a verification trace, a second capture): the steps after it
+      # in experimental_run_steps may run as its group, as after a replayed step.
+      fn, spec, leaves = self._step
+      rep.last_replayed = (self._entry, _weak(fn), spec, [_arg_entry(x) for x in leaves])
+    return result
+
+  def _cut(self):
+    """Runs a traced step that was not captured now, so that the next step
+    starts from computed values and can be captured (a step that is replayed
+    needs no sync, so none may come). Every pending tensor is cut with it: a
+    sync of some tensors only lets torch_xla give their input buffers to the
+    outputs (aliasing) while other pending tensors still read them."""
+    _runtime.sync(boundary=False)
+
+  def _refused(self, why, permanent):
+    entry = self._entry
+    entry.failures += 1
+    if permanent or entry.failures >= 2:
+      entry.refused = why
+    self._record(f"not captured: {why}")
+
+  def _record(self, what):
+    rep = self._replayer
+    rep.reasons.append((rep.steps, what))
+    if _debug():
+      logger.warning("xladist replay: step %d %s", rep.steps, what)
+
+  def _offer(self, prog):
+    entry = self._entry
+    old = entry.program
+    entry.program = prog
+    if old is None:
+      entry.promoted = False
+      return
+    what = _differs(old, prog)
+    if what is None:
+      hyper.agree(old.hypers, prog.hypers)
+      entry.promoted = True
+      return
+    entry.promoted = False
+    entry.groups = {}  # captured from the step's old program
+    if self._verify is None:
+      self._record(f"captured {what} than the last trace: the next trace confirms it")
+    else:
+      strict, every = self._verify
+      rep = self._replayer
+      message = (
+        f"xladist: replayed steps were stale: a verification trace at step {rep.steps} "
+        f"captured {what} than the program replayed since (up to {every - 1} steps "
+        "before this one used the old program). fn depends on something xladist does "
+        "not watch; pass it as an argument or read it by name in fn (a closure or "
+        "global plain value), or turn replay off for this step "
+        "(RunOptions(experimental_replay=False) or XLADIST_REPLAY=0)."
+      )
+      logger.warning(message)
+      if strict:
+        raise RuntimeError(message)
+      warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+  def _analyse(self, result, seed1):
+    """The traced step's program (compiled) and the traced graph's inputs."""
+    try:
+      return self._program(result, seed1)
+    except _NotCapturable:
+      raise
+    except Exception as e:  # torch_xla refused something: the traced step stands
+      raise _NotCapturable(f"capturing failed ({type(e).__name__}: {e})", permanent=True) from e
+
+  def _program(self, result, seed1):
+    if _runtime.REPLAY_KIND == "program":
+      return _program_of_runtime(self, result)
+    slots, uids = _new_state_slots(self)
+    # Outputs: the returned tensors, then the slots the step wrote.
+    ret_spec, returned = _returned(result)
+    outs, targets, ret_leaves = [], [], []
+    for j, kind, value in returned:
+      if kind in ("py", "hyper"):
+        ret_leaves.append((kind, value))
+      else:
+        outs.append(value)
+        targets.append((RET, j))
+        ret_leaves.append(kind)
+    cleared, written = _written_slots(slots, uids)
+    for i, value in written:
+      outs.append(value)
+      targets.append((SLOT, i))
+    # Only tensors with a pending computation are program outputs, each once.
+    need = [b is None for b in _runtime.buffer_ids(outs)]
+    kept, kept_targets, aliases, first = [], [], [], {}
+    for t, target, pending in zip(outs, targets, need):
+      if not pending:
+        if target[0] == RET:
+          raise _NotCapturable("a returned tensor is not computed by the step")
+        continue
+      uid = _runtime.value_id(t)
+      if uid in first:
+        aliases.append((target, first[uid]))
+        continue
+      first[uid] = len(kept)
+      kept.append(t)
+      kept_targets.append(target)
+    if not kept:
+      raise _NotCapturable("the step computes nothing")
+    program, _, values, _ = _runtime.last_program(kept)
+    sources, consts = [], []
+    for j, (handle, v) in enumerate(zip(_runtime.buffer_ids(values), values)):
+      if j in program.seed_inputs:
+        if int(v.cpu()) != _signed(self._seed0):
+          raise _NotCapturable("the step's random-number seed is not the one it started from")
+        sources.append((SEED,))
+        continue
+      sources.append(_source(self, handle, v, consts))
+    hypers = _hyper_sources(self, sources, consts)
+    draws = 0
+    if sum(1 for s in sources if s[0] == SEED) > 1:
+      raise _NotCapturable("the program has several random-number seeds")
+    if any(s[0] == SEED for s in sources):
+      draws = seeds.draws_between(self._seed0, seed1)
+      if not draws:
+        raise _NotCapturable("the step's random-number seed use could not be followed")
+    prog = _program_record(
+      program.key, slots, sources, kept_targets, aliases, cleared, ret_spec, ret_leaves, consts
+    )
+    prog.runtime_program = (program, None)  # compiled at its first run (none when cached)
+    prog.draws = draws
+    prog.hypers = hypers
+    prog.groups = self.hypers.groups if hypers else {}
+    prog.counters = tuple(self._counters)
+    return prog, values
+
+
+def _hyper_sources(attempt, sources, consts):
+  """torch_xla: turns the CONST sources that are optimizer hyperparameters into
+  HYPER sources (hyper.py), dropping them from `consts`; their `hyper.Input`s."""
+  made = attempt.hypers.candidates() if attempt.hypers is not None else ()
+  scalar = [
+    i
+    for i, s in enumerate(sources)
+    if s[0] == CONST and s[1].dim() == 0 and s[1].dtype.is_floating_point
+  ]
+  if not made or not scalar:
+    return []
+  found = hyper.match([(sources[i][1].cpu().item(), sources[i][1].dtype) for i in scalar], made)
+  inputs, dropped = [], set()
+  for i, h in zip(scalar, found):
+    if h is not None:
+      dropped.add(id(sources[i][1]))
+      sources[i] = (HYPER, len(inputs))
+      inputs.append(h)
+  consts[:] = [c for c in consts if id(c[1]) not in dropped]
+  return inputs
+
+
+def _new_state_slots(attempt):
+  """The attempt's slots, with the gradients the step made; refuses other new
+  state, and a step that changed optimizer state outside the device."""
+  store = attempt._replayer._store
+  known = {s.ident() for s in attempt._slots}
+  slots, uids = list(attempt._slots), list(attempt._uids)
+  for s in _slots(store):
+    if s.ident() not in known:
+      if s.kind != GRAD:  # a gradient made by the step is an output like any other
+        raise _NotCapturable("the step created state (optimizer state or variables)")
+      slots.append(s)
+      uids.append(None)
+  host, attempt._counters = _host_change(store, attempt._host, _host_state(store))
+  if host is None:
+    optimizers = list(store.optimizers())
+    after = hyper.group_values(optimizers)
+    host = hyper.group_change(optimizers, attempt._groups, after)
+  if host is not None:
+    raise _NotCapturable(host, permanent=True)
+  return slots, uids
+
+
+def _source(attempt, handle, value, consts):
+  """Where a program input comes from: a slot or an argument (recognised by its
+  device buffer's `handle`), else a constant (recorded in `consts`)."""
+  if handle in attempt._ambiguous:
+    raise _NotCapturable("an argument shares its device buffer with a variable or another argument")
+  source = attempt._by_handle.get(handle)
+  if source is not None:
+    return source
+  consts.append((handle, value))
+  return (CONST, value)
+
+
+def _returned(result):
+  """What fn returned, leaf by leaf: (index, "stacked" | "tensor" | "py", the
+  PerReplica's stacked tensor, the tensor or the Python value), with the nest's spec.
+
+  Raises:
+    _NotCapturable: a leaf that is neither a device tensor nor a plain value.
+  """
+  leaves, spec = flatten(result)
+  out = []
+  for j, leaf in enumerate(leaves):
+    if isinstance(leaf, PerReplica) and leaf._stacked is not None:
+      out.append((j, "stacked", leaf._stacked))
+    elif isinstance(leaf, torch.Tensor) and _runtime.is_device_tensor(leaf):
+      out.append((j, "tensor", leaf))
+    elif isinstance(leaf, hyper.Hyper):
+      out.append((j, "hyper", leaf.expr))
+    elif isinstance(leaf, _PLAIN):
+      out.append((j, "py", leaf))
+    else:
+      raise _NotCapturable(
+        f"fn returns a {type(leaf).__name__} (a host value or an object made by "
+        "the step: only device tensors and plain Python values are replayed)",
+        permanent=True,
+      )
+  return spec, out
+
+
+def _written_slots(slots, uids):
+  """(the gradient slots the step cleared, [(slot index, new value)] of the slots
+  it wrote)."""
+  cleared, written = [], []
+  for i, s in enumerate(slots):
+    value = s.get(settle=False)
+    if value is None:
+      if s.kind == GRAD:
+        cleared.append(i)
+        continue
+      raise _NotCapturable("a state slot lost its value")
+    if _runtime.value_id(value) != uids[i]:
+      written.append((i, value))
+  return cleared, written
+
+
+def _program_of_runtime(attempt, result):
+  """The jax runtime's capture: the step's program as the runtime ran it, its
+  inputs mapped to slots and arguments by array identity, its results to the
+  slots the step wrote and to what fn returned."""
+  slots, uids = _new_state_slots(attempt)
+  program, consts, inputs, results = _runtime.last_program()
+  index = {id(r): j for j, r in enumerate(results)}
+  targets = [(DROP,)] * len(results)
+  aliases = []
+
+  def target_of(tensor, target):
+    j = index.get(_runtime.buffer_ids([tensor])[0])
+    if j is None:
+      return False
+    if targets[j][0] == DROP:
+      targets[j] = target
+    else:
+      aliases.append((target, j))
+    return True
+
+  ret_spec, returned = _returned(result)
+  ret_leaves = []
+  for j, kind, value in returned:
+    if kind not in ("py", "hyper") and not target_of(value, (RET, j)):
+      raise _NotCapturable("a returned tensor is not computed by the step")
+    ret_leaves.append((kind, value) if kind in ("py", "hyper") else kind)
+  cleared, written = _written_slots(slots, uids)
+  for i, value in written:
+    if not target_of(value, (SLOT, i)):
+      raise _NotCapturable("a state slot was given a value the step did not compute")
+  consts_seen = [(id(c), c) for part in consts for c in part]
+  sources = [_source(attempt, id(array), array, consts_seen) for array in inputs]
+  prog = _program_record(
+    program.text_key, slots, sources, targets, aliases, cleared, ret_spec, ret_leaves, []
+  )
+  host = [np.array(v) for v in consts[1]]
+  order = sorted({d for kind, d, _ in program.layout if kind == "scalar"})
+  prog.scalar_slots = tuple(
+    (order.index(d), j) for kind, d, j in program.layout if kind == "scalar"
+  )
+  made = attempt.hypers.candidates() if attempt.hypers is not None else ()
+  if made and prog.scalar_slots:
+    scalars = [(host[v][j].item(), _torch_dtype(host[v].dtype)) for v, j in prog.scalar_slots]
+    prog.hypers = hyper.match(scalars, made)
+    prog.groups = attempt.hypers.groups
+  masked = [np.array(v) for v in host]
+  for h, (v, j) in zip(prog.hypers, prog.scalar_slots):
+    if h is not None:
+      masked[v][j] = 0
+  prog.host_vectors = host
+  prog.counters = tuple(attempt._counters)
+  prog.consts = [(id(a), _ConstView(a)) for a in consts[0]] + [
+    (("scalars", i), _ConstView(m)) for i, m in enumerate(masked)
+  ]
+  prog.n_outputs = len(results)
+  prog.runtime_program = (program, consts)
+  return prog, None

@@ -1,0 +1,430 @@
+"""A captured step program (replay.py): its record, how two captures compare, how
+it is fed its inputs at a replay and how its results are written back.
+
+A program's inputs are each a *source*: a slot (replay_slots.py), an argument,
+the random-number seed, an optimizer hyperparameter (hyper.py) or a constant;
+its results each a *target*: a returned leaf or a slot. `_Program` holds the
+mapping and the runtime's program (`runtime.last_program`); `_inputs` builds
+the inputs of one replay from the current slots and arguments, `_write_back`
+puts the results where the traced step would have left them;
+`_steps_plan` / `_write_back_steps` do the same for several steps run as one
+program (the "program" form's scan).
+"""
+
+import logging
+import os
+import weakref
+
+import numpy as np
+import torch
+
+from xladist import runtime as _runtime
+from xladist._nest import unflatten
+from xladist._step import hyper
+from xladist._step.replay_slots import (
+  _PLAIN,
+  COPIES,
+)
+from xladist.values import Mirrored, PerReplica
+from xladist.variable_store import copies_of
+
+logger = logging.getLogger("xladist")
+_OFF = ("0", "off", "false", "no")
+
+
+def _debug():
+  text = os.environ.get("XLADIST_REPLAY_DEBUG", "").strip().lower()
+  return text not in ("",) + _OFF
+
+
+# -- torch_xla's random-number seed -------------------------------------------------------
+
+
+def _signed(seed):
+  return seed - (1 << 64) if seed >= (1 << 63) else seed
+
+
+def _seed_tensor(seed):
+  """The seed as the int64 device scalar a traced graph's seed parameter holds."""
+  return _runtime.place_replicated(torch.tensor(_signed(seed), dtype=torch.int64))
+
+
+# -- captured programs ------------------------------------------------------------------------
+
+SLOT, ARG, CONST, SEED = range(4)
+RET = 4
+DROP = 5  # a result nothing keeps (a value of the step no slot or return holds)
+HYPER = 6  # an optimizer hyperparameter (or arithmetic on some): `prog.hypers[i]`
+
+
+class _Program:
+  """One captured step program and how to feed it and place its outputs."""
+
+  __slots__ = (
+    "hash",
+    "slots",
+    "sources",
+    "targets",
+    "aliases",
+    "cleared",
+    "ret_spec",
+    "ret_leaves",
+    "draws",
+    "consts",
+    "restamp",
+    "n_outputs",
+    "runtime_program",
+    "starts",
+    "hypers",
+    "groups",
+    "scalar_slots",
+    "host_vectors",
+    "counters",
+  )
+
+  def fingerprint(self):
+    sources = tuple(s if s[0] != CONST else (CONST,) for s in self.sources)
+    return (
+      self.hash,
+      sources,
+      tuple(self.targets),
+      tuple(self.aliases),
+      tuple(self.cleared),
+      self.ret_spec,
+      tuple(self.ret_leaves),
+      self.draws,
+      tuple(h.key() if h is not None else None for h in self.hypers),
+    )
+
+
+def _same_constants(a, b):
+  """Whether two captures' constants are the same values (same buffers, or equal
+  small tensors: a tensor made afresh by each trace from the same data)."""
+  for x, y in zip(a, b):
+    if x[0] == y[0]:
+      continue
+    tx, ty = x[1], y[1]
+    if tx.shape != ty.shape or tx.dtype != ty.dtype or tx.numel() > 65536:
+      return False
+    if not torch.equal(tx.cpu(), ty.cpu()):
+      return False
+  return True
+
+
+def _differs(old, new):
+  """Words naming how two captures of one key differ, or None when they are the same."""
+  fa, fb = old.fingerprint(), new.fingerprint()
+  if fa[0] != fb[0]:
+    return "a different graph (XLA program hash)"
+  if fa != fb:
+    return "the same graph with its inputs or outputs mapped differently"
+  if not _same_constants(old.consts, new.consts):
+    return (
+      "the same graph with other constants (a Python number or a tensor fn reads "
+      "from outside, e.g. through a helper function or an object's attribute)"
+    )
+  return None
+
+
+class _Entry:
+  __slots__ = ("program", "promoted", "since_verify", "refused", "failures", "groups")
+
+  def __init__(self):
+    self.program = None
+    self.promoted = False
+    self.since_verify = 0
+    self.refused = None  # why this key is never replayed, or None
+    self.failures = 0  # captures refused so far (twice: never again)
+    self.groups = {}  # k -> _Entry of k steps after this key's step as one program (torch_xla)
+
+
+def _advance(prog):
+  """Adds to the host step counters what the replayed step adds (hyper.py)."""
+  for state, key, step in prog.counters:
+    state[key].add_(step)
+
+
+def _fresh_scalars(prog):
+  """jax: puts the hyperparameters' current values into the program's scalar
+  constants (one transfer of one small vector when one changed), or a
+  `_Traced` saying why the step is traced instead."""
+  if not prog.hypers:
+    return None
+  vectors = prog.host_vectors
+  changed = None
+  for h, (v, j) in zip(prog.hypers, prog.scalar_slots):
+    if h is None:
+      continue
+    value = _hyper_value(prog, h)
+    if isinstance(value, _Traced):
+      return value
+    if vectors[v][j] != value:
+      if changed is None:
+        changed = [np.array(x) for x in vectors]
+      changed[v][j] = value
+  if changed is not None:
+    prog.host_vectors = changed
+    program, consts = prog.runtime_program
+    prog.runtime_program = (program, _runtime.with_scalars(consts, changed))
+  return None
+
+
+def _steps_plan(prog, leaves_list, n):
+  """How a scan of k replays of `prog` gets its inputs (see
+  runtime.run_program_steps), or (None, ...) when some input cannot be planned."""
+  slots = prog.slots
+  carry_slot = {}  # result index -> slot index it writes
+  for j, target in enumerate(prog.targets):
+    if target[0] == SLOT:
+      carry_slot[j] = target[1]
+  for target, j in prog.aliases:
+    if target[0] == SLOT:
+      carry_slot.setdefault(j, target[1])
+  written = set(carry_slot.values())
+  inputs_plan, fixed, stacked = [], [], []
+  for source in prog.sources:
+    kind = source[0]
+    if kind == SLOT and source[1] in written:
+      inputs_plan.append(("carry", source[1]))
+    elif kind == SLOT:
+      value = slots[source[1]].get()
+      if value is None:
+        return None, None, None, None
+      inputs_plan.append(("fixed", len(fixed)))
+      fixed.append(value)
+    elif kind == ARG:
+      try:
+        rows = [_arg_global(leaves[source[1]], n) for leaves in leaves_list]
+      except _NotCapturable:
+        return None, None, None, None
+      inputs_plan.append(("arg", len(stacked)))
+      stacked.append(rows)
+    else:
+      inputs_plan.append(("fixed", len(fixed)))
+      fixed.append(source[1])
+  carried = {}
+  for slot in sorted(written):
+    value = slots[slot].get(settle=False)
+    if value is None:
+      return None, None, None, None
+    carried[slot] = value
+  returned = tuple(j for j, t in enumerate(prog.targets) if t[0] == RET) + tuple(
+    j for t, j in prog.aliases if t[0] == RET
+  )
+  plan = (tuple(inputs_plan), tuple(sorted(carry_slot.items())), tuple(dict.fromkeys(returned)))
+  return plan, fixed, [carried[s] for s in sorted(written)], stacked
+
+
+def _write_back_steps(prog, plan, final, ys, k, n):
+  """Puts the k steps' outputs where k replays would have left them."""
+  slots = prog.slots
+  _, carries, returned = plan
+  for slot, value in zip(sorted({c for _, c in carries}), final, strict=True):
+    slots[slot].set(value)
+  for i in prog.cleared:
+    slots[i].tensor.grad = None
+  for t in prog.restamp:
+    copies_of(t).restamp(t)
+  ret_of = {}
+  for j, target in enumerate(prog.targets):
+    if target[0] == RET:
+      ret_of.setdefault(target[1], j)
+  for target, j in prog.aliases:
+    if target[0] == RET:
+      ret_of.setdefault(target[1], j)
+  results = []
+  for t in range(k):
+    leaves = []
+    for index, kind in enumerate(prog.ret_leaves):
+      if kind in ("stacked", "tensor"):
+        value = ys[ret_of[index]][t]  # the runtime cut them per step
+        leaves.append(PerReplica._from_stacked(value, n) if kind == "stacked" else value)
+      else:
+        leaves.append(_python_leaf(prog, kind))
+    results.append(unflatten(prog.ret_spec, leaves))
+  return results
+
+
+def _weak(fn):
+  """A weak reference to `fn` (a callable that returns it), strong only for a
+  callable that takes no weak references (a builtin)."""
+  try:
+    return weakref.ref(fn)
+  except TypeError:
+    return lambda: fn
+
+
+def _arg_entry(leaf):
+  """What `replay_steps` compares of an argument: a tensor's (or a
+  PerReplica's) shape, dtype and placement, a Python value itself, else the type."""
+  if isinstance(leaf, PerReplica) and leaf._stacked is not None:
+    leaf = leaf._stacked
+  if isinstance(leaf, torch.Tensor):
+    return (tuple(leaf.shape), leaf.dtype, _runtime.sharding_spec(leaf))
+  if isinstance(leaf, _PLAIN):
+    return ("value", leaf)
+  return ("object", type(leaf))
+
+
+def _inputs(prog, leaves, n, seed):
+  """A replay's inputs, in the program's order (slots' current values, the
+  arguments' global tensors, constants, the seed), or a `_Traced` saying why
+  the step must be traced."""
+  slots = prog.slots
+  inputs = []
+  for source in prog.sources:
+    kind = source[0]
+    if kind == SLOT:
+      value = slots[source[1]].get()
+      if value is None:
+        return _Traced("a state slot has no value, or a tensor fn reads by name was replaced")
+    elif kind == ARG:
+      try:
+        value = _arg_global(leaves[source[1]], n)
+      except _NotCapturable as e:
+        return _Traced(str(e))
+    elif kind == CONST:
+      value = source[1]
+    elif kind == HYPER:
+      h = prog.hypers[source[1]]
+      value = _hyper_value(prog, h)
+      if isinstance(value, _Traced):
+        return value
+      if h.placed is None or h.placed[0] != value:
+        h.placed = (value, _runtime.place_replicated(torch.tensor(value, dtype=h.dtype)))
+      value = h.placed[1]
+    else:
+      value = _seed_tensor(seed)
+    inputs.append(value)
+  return inputs
+
+
+def _hyper_value(prog, h):
+  """A hyperparameter input's value now, or a `_Traced` saying why the step is
+  traced instead (see hyper.py: a match not yet confirmed by two captures is
+  confirmed by a trace when its value first changes)."""
+  value = h.current(prog.groups)
+  if value is None:
+    return _Traced("hyperparameters that were equal when the step was captured differ now")
+  if value != h.value and not h.proven:
+    return _Traced(
+      f"optimizer hyperparameter {h.names()} changed for the first time since the step "
+      "was captured (traced once to confirm that it is an input of the program)"
+    )
+  return value
+
+
+def _arg_global(leaf, n):
+  """The global tensor an argument enters the step from (what a trace reads).
+
+  Raises:
+    _NotCapturable: an argument the trace refuses (a PerReplica made inside
+      merge_call, or for another replica count): the trace says why.
+  """
+  if isinstance(leaf, PerReplica):
+    if leaf._local is not None or leaf.num_replicas != n:
+      raise _NotCapturable("an argument is refused by the trace")
+    return leaf._stacked_global(n)
+  if isinstance(leaf, Mirrored):
+    leaf = leaf.primary
+  if not _runtime.is_device_tensor(leaf):
+    return _runtime.place_replicated(leaf)
+  return _runtime.ensure_sharded(leaf)
+
+
+def _write_back(prog, results, n):
+  """Puts a run's outputs where the traced step would have left them."""
+  slots = prog.slots
+  rets = [None] * len(prog.ret_leaves)
+  for target, value in zip(prog.targets, results):
+    if target[0] == SLOT:
+      slots[target[1]].set(value)
+    elif target[0] == RET:
+      rets[target[1]] = value
+  for target, j in prog.aliases:
+    if target[0] == SLOT:
+      slots[target[1]].set(results[j])
+    else:
+      rets[target[1]] = results[j]
+  for i in prog.cleared:
+    slots[i].tensor.grad = None
+  for t in prog.restamp:
+    copies_of(t).restamp(t)
+  leaves = []
+  for kind, value in zip(prog.ret_leaves, rets):
+    if kind == "stacked":
+      leaves.append(PerReplica._from_stacked(value, n))
+    elif kind == "tensor":
+      leaves.append(value)
+    else:
+      leaves.append(_python_leaf(prog, kind))
+  return unflatten(prog.ret_spec, leaves)
+
+
+def _python_leaf(prog, kind):
+  """A Python value fn returned: as traced, or a hyperparameter's value now."""
+  if kind[0] == "hyper":
+    return hyper.evaluate(kind[1], prog.groups)
+  return kind[1]
+
+
+def _program_record(key, slots, sources, targets, aliases, cleared, ret_spec, ret_leaves, consts):
+  """A `_Program` of a capture (`draws` 0 until the caller counts them)."""
+  prog = _Program()
+  prog.hash = key
+  prog.slots = slots
+  prog.sources = sources
+  prog.targets = targets
+  prog.aliases = aliases
+  prog.cleared = cleared
+  prog.ret_spec = ret_spec
+  prog.ret_leaves = ret_leaves
+  prog.draws = 0
+  prog.consts = consts
+  prog.restamp = [s.tensor for s in slots if s.kind == COPIES]
+  prog.n_outputs = len(targets)
+  prog.starts = ()  # a group's steps: draws before each step's first seed
+  prog.hypers = []  # hyper.Input of each HYPER source (jax: of each scalar slot)
+  prog.groups = {}  # id -> the parameter groups the hypers read
+  prog.scalar_slots = ()  # jax: (vector index, position) of each scalar constant
+  prog.host_vectors = None  # jax: the scalar vectors' values, as last fed
+  prog.counters = ()  # the host step counters the step adds to: (state, key, increment)
+  return prog
+
+
+def _torch_dtype(np_dtype):
+  return getattr(torch, np.dtype(np_dtype).name, None)
+
+
+class _ConstView:
+  """A constant array seen as `_same_constants` compares them (shape, dtype,
+  size and host values)."""
+
+  def __init__(self, array):
+    self.array = array
+    self.shape = tuple(array.shape)
+    self.dtype = array.dtype
+
+  def numel(self):
+    return int(np.prod(self.shape))
+
+  def cpu(self):
+    value = np.array(self.array)
+    if value.dtype.name == "bfloat16":  # ml_dtypes' bfloat16, which torch cannot take
+      return torch.from_numpy(value.astype(np.float32)).to(torch.bfloat16)
+    return torch.from_numpy(value)
+
+
+class _Traced:
+  """`Replayer._replay`: the step could not be replayed and is traced, because..."""
+
+  __slots__ = ("why",)
+
+  def __init__(self, why):
+    self.why = why
+
+
+class _NotCapturable(Exception):
+  def __init__(self, why, permanent=False):
+    super().__init__(why)
+    self.permanent = permanent

@@ -1,0 +1,505 @@
+"""A step's program on the jax runtime: building, caching and running it.
+
+`traced_step` runs a step's phases inside a jax trace (jax_step.py), closes it
+into a jaxpr (its float literals lifted into constants), finds or builds its
+compiled program (`_Program`: `jax.jit(shard_map(...))` over the replica mesh,
+cached by the jaxpr's structure, then its text), and runs it. For the replay of
+steps (_step/replay.py): `last_program`, `run_program` (again, or inside
+another trace), `run_program_steps` (k steps as one `lax.scan`)
+and `with_scalars` (new hyperparameter values). Holds the last program run, its
+outputs (what `wait` waits for) and the callbacks of the next sync.
+"""
+
+import functools
+
+import numpy as np
+
+from xladist.runtime import jax_compat
+from xladist.runtime.jax_devices import (
+  REPLICA_AXIS,
+  _counts,
+  _current,
+  _placed,
+  _rt,
+  _tls,
+  _wrap,
+  mesh,
+  num_devices,
+  replicated_sharding,
+)
+from xladist.runtime.jax_step import _local_input, _source_info, _step_trace_class, _StepTrace
+
+
+class _Program:
+  """A compiled step program and what it was traced from.
+
+  Its constants are passed in two parts (`pack`): the arrays, and the scalars
+  packed into one vector per dtype (a step's Python numbers, lifted out of the
+  program text: one input instead of dozens, each of which costs a transfer
+  per device at every run)."""
+
+  def __init__(self, jitted, text_key, jaxpr, in_split, out_split, layout):
+    self.jitted = jitted
+    self.text_key = text_key
+    self.jaxpr = jaxpr
+    self.in_split = in_split
+    self.out_split = out_split
+    self.layout = layout
+    self.hlo = None
+    self._local = None
+
+  def pack(self, consts):
+    """The constants as the program takes them (placed on the devices)."""
+    jax = _rt().jax
+    arrays, scalars = [], {}
+    for (kind, dtype, _), c in zip(self.layout, consts, strict=True):
+      if kind == "array":
+        arrays.append(c)
+      else:
+        scalars.setdefault(dtype, []).append(np.asarray(c, dtype=jax.numpy.dtype(dtype)))
+    vectors = [np.stack(scalars[d]) for d in sorted(scalars)]
+    with jax.ensure_compile_time_eval():
+      placed = _on_devices(vectors)  # each process its own copy (no cross-process check)
+    return (_on_devices(arrays), placed)
+
+  def call(self, packed, key, args):
+    return self.jitted(packed[0], packed[1], key, *args)
+
+  def local(self):
+    """The step's body on replica-local values, as one jitted call: a replayed
+    step inside another trace is one equation of it."""
+    if self._local is None:
+      self._local = _rt().jax.jit(_unpacking_body(self.jaxpr, self.layout))
+    return self._local
+
+
+def _const_layout(consts):
+  """Per constant: ("scalar", dtype, index in its dtype's vector) or ("array", dtype, i)."""
+  counts, layout = {}, []
+  for c in consts:
+    dtype = np.dtype(c.dtype).name  # not .str: bfloat16's is "<V2" (void)
+    if tuple(np.shape(c)) == ():
+      layout.append(("scalar", dtype, counts.get(dtype, 0)))
+      counts[dtype] = counts.get(dtype, 0) + 1
+    else:
+      layout.append(("array", dtype, None))
+  return tuple(layout)
+
+
+def _unpacking_body(jaxpr, layout):
+  """fn(arrays, vectors, key, *args): the jaxpr evaluated with its constants
+  rebuilt from the packed form."""
+  order = sorted({d for kind, d, _ in layout if kind == "scalar"})
+
+  def body(arrays, vectors, key_in, *args):
+    by_dtype = dict(zip(order, vectors, strict=True))
+    it = iter(arrays)
+    consts = [next(it) if kind == "array" else by_dtype[d][j] for kind, d, j in layout]
+    return jax_compat.eval_jaxpr(jaxpr, *consts, key_in, *args)
+
+  return body
+
+
+_programs = {}
+_last_outputs = []
+_last_program = [None]
+_sync_callbacks = []
+
+
+def traced_step(body):
+  """Runs `body()` (a step's phases) inside a jax trace, then its program.
+
+  Returns what `body` returned, its output tensors holding the program's results.
+  A `traced_step` inside another one (the k steps of `experimental_run_steps`)
+  is part of the outer one's program: its outputs are values of that trace,
+  which the next step reads as they are.
+  """
+  rt = _rt()
+  if _current() is not None:
+    # A step inside a traced group of steps (experimental_run_steps): part of
+    # the group's one program.
+    return body()
+  n = num_devices()
+  trace = jax_compat.new_trace(_step_trace_class())
+  st = _StepTrace(trace)
+  env = rt.env
+  key_before = env.param.prng = _placed_key(env.param.prng)
+  _tls.step = st
+  try:
+    with jax_compat.bind_axis(REPLICA_AXIS, n), jax_compat.current_trace(trace):
+      # The key's type without its placement: inside the program every value is
+      # replica-local (a placed aval would name the global mesh).
+      key_aval = jax_compat.shaped_array(key_before.shape, key_before.dtype)
+      key_in = trace.new_arg(key_aval, _source_info())
+      # Every replica draws from the same key: xladist's per-replica draws take
+      # each replica's rows of one global draw (_step/seeds.py).
+      env.param.prng = key_in
+      result = body()
+      key_out = env.param.prng
+      outs = [t for _, t, _ in st.outputs] + [key_out]
+      jaxpr, consts = jax_compat.close_trace(trace, outs)
+  finally:
+    _tls.step = None
+    env.param.prng = key_before  # until the program has run
+  jaxpr, consts = _lift_float_literals(jaxpr, consts)
+  program = _program_for(jaxpr, st, _const_layout(consts))
+  packed = program.pack(consts)
+  args = [elem for elem, _ in st.inputs]
+  outs = program.call(packed, key_before, args)
+  _counts["execute"] += 1
+  _counts["sync"] += 1
+  result_of = {}
+  for (tensor, traced, _), value in zip(st.outputs, outs[:-1], strict=True):
+    result_of[id(traced)] = value
+    for holder in st.holders[id(tensor)]:
+      holder._elem = value
+  for ident in st.idents:
+    ident.target = result_of.get(id(ident.target), ident.target)
+  env.param.prng = outs[-1]
+  _last_outputs[:] = [outs[-1]]
+  _last_program[0] = (program, packed, key_before, args, list(outs[:-1]))
+  _run_sync_callbacks()
+  return result
+
+
+def _placed_key(key):
+  """The random key placed as a step's program leaves it (replicated over the
+  mesh). A key made on the host (a new seed: torch.manual_seed, set_seed) would
+  make the next program compile once for its placement and once more for the
+  placed key that program returns. With several processes the key stays as it
+  is (each process's host key would need a collective to place)."""
+  jax = _rt().jax
+  if isinstance(key, jax.core.Tracer) or jax.process_count() > 1:
+    return key
+  sharding = replicated_sharding(0)
+  if key.sharding != sharding:
+    key = jax.device_put(key, sharding)
+  return key
+
+
+def last_program(outputs=None):
+  """(program, constants, input arrays, result arrays) of the last step traced
+  and run, for the replay of steps (`_step/replay.py`); the constants are in
+  the program's packed form, a value `run_program` takes as it is. (`outputs`:
+  the runtime ran the step's whole program already; every result is offered.)"""
+  del outputs
+  program, consts, _, args, results = _last_program[0]
+  return program, consts, args, results
+
+
+def with_scalars(consts, vectors):
+  """A program's packed constants (`_Program.pack`) with its scalar vectors
+  replaced by `vectors` (host arrays, one per dtype in the program's order):
+  a replayed step's new hyperparameter values, one transfer per vector."""
+  jax = _rt().jax
+  with jax.ensure_compile_time_eval():
+    return (consts[0], _on_devices(vectors))
+
+
+class PendingInput(RuntimeError):
+  """Never raised here: a jax array is computed (or being computed) once it exists."""
+
+
+def _arrays(values):
+  """The jax arrays behind tensors (a program's constants are arrays already)."""
+  return [getattr(v, "_elem", v) for v in values]
+
+
+def _stack_steps(arrays):
+  """The k steps' values of one argument stacked on a new leading axis, placed
+  like them (a replica-split value stays split on its replica axis)."""
+  split = not arrays[0].sharding.is_fully_replicated
+  return _stacker(split)(*arrays)
+
+
+@functools.cache
+def _stacker(split):
+  jax = _rt().jax
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  spec = PartitionSpec(None, REPLICA_AXIS) if split else PartitionSpec()
+  return jax.jit(lambda *xs: jax.numpy.stack(xs), out_shardings=NamedSharding(mesh(), spec))
+
+
+def run_program_steps(program, consts, plan, fixed, carried, rows):
+  """Runs a step's program k times as ONE program (a `lax.scan` over the steps),
+  for the k replayed steps of `experimental_run_steps`.
+
+  `plan` says where each input of the step comes from: ("fixed", j) the same
+  value every step (`fixed[j]`), ("carry", c) the previous step's result that
+  carries slot c (`carried[c]` at the first step), ("arg", j) step t's value
+  `rows[j][t]` (stacked here on a leading axis); and which
+  results carry which slot (`carries`: result index -> c) and which are
+  returned per step (`returned`: result indices). Returns (the carried values
+  after the last step, {result index: [its value at each of the k steps]}).
+  """
+  _, _, returned = plan
+  env = _rt().env
+  fixed, carried = _arrays(fixed), _arrays(carried)
+  stacked = [_stack_steps(_arrays(values)) for values in rows]
+  key = (
+    program,  # kept alive by the key: compared by identity
+    plan,
+    tuple(a.shape for a in stacked),
+    tuple(a.sharding.is_fully_replicated for a in (*fixed, *stacked)),
+  )
+  fn = _steps_programs.get(key)
+  if fn is None:
+    fn = _steps_programs[key] = _steps_program(program, plan, fixed, stacked)
+  prng = env.param.prng = _placed_key(env.param.prng)
+  final, ys, key_out = fn(consts[0], consts[1], prng, fixed, carried, stacked)
+  _counts["execute"] += 1
+  env.param.prng = key_out
+  _last_outputs[:] = [key_out]
+  k = stacked[0].shape[0] if stacked else (ys[0].shape[0] if ys else 0)
+  per_step = _unstacker(k, tuple(program.out_split[r] for r in returned))(ys) if ys else []
+  return [_wrap(c) for c in final], {
+    r: [_wrap(v) for v in values] for r, values in zip(returned, per_step, strict=True)
+  }
+
+
+@functools.cache
+def _unstacker(k, splits):
+  """One program that cuts each stacked result into its k steps' values, each
+  placed like one step's result (split over the replicas or replicated)."""
+  jax = _rt().jax
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  shardings = [
+    [NamedSharding(mesh(), PartitionSpec(REPLICA_AXIS) if split else PartitionSpec())] * k
+    for split in splits
+  ]
+  return jax.jit(lambda ys: [list(y) for y in ys], out_shardings=shardings)
+
+
+_steps_programs = {}
+
+
+def _steps_program(program, plan, fixed, stacked):
+  jax = _rt().jax
+  from jax.sharding import PartitionSpec as P
+
+  inputs_plan, carries, returned = plan
+  body = _unpacking_body(program.jaxpr, program.layout)
+  out_split = program.out_split
+  carry_slots = sorted({c for _, c in carries})
+  carry_of = dict(carries)
+
+  def steps(arrays, vectors, key, fixed, carried, stacked):
+    def one(state, xs):
+      values, key = state
+      inputs = []
+      for kind, j in inputs_plan:
+        if kind == "fixed":
+          inputs.append(fixed[j])
+        elif kind == "carry":
+          inputs.append(values[carry_slots.index(j)])
+        else:
+          inputs.append(xs[j])
+      outs = body(arrays, vectors, key, *inputs)
+      new = list(values)
+      for r, c in carry_of.items():
+        new[carry_slots.index(c)] = outs[r]
+      return (new, outs[-1]), [outs[r] for r in returned]
+
+    (final, key), ys = jax.lax.scan(one, (list(carried), key), list(stacked))
+    return final, ys, key
+
+  def spec(split, lead=False):
+    if split:
+      return P(None, REPLICA_AXIS) if lead else P(REPLICA_AXIS)
+    return P()
+
+  arg_split = [not a.sharding.is_fully_replicated for a in stacked]
+  carry_split = [out_split[next(r for r, c in carries if c == slot)] for slot in carry_slots]
+  in_specs = (
+    P(),
+    P(),
+    P(),
+    [spec(not a.sharding.is_fully_replicated) for a in fixed],
+    [spec(x) for x in carry_split],
+    [spec(x, lead=True) for x in arg_split],
+  )
+  out_specs = (
+    [spec(x) for x in carry_split],
+    [spec(out_split[r], lead=True) for r in returned],
+    P(),
+  )
+  mapped = jax.shard_map(
+    steps, mesh=mesh(), in_specs=in_specs, out_specs=out_specs, check_vma=False
+  )
+  return jax.jit(mapped)
+
+
+def run_program(program, consts, inputs):
+  """Runs a step's program again on `inputs` (arrays in the order of its trace's
+  inputs); returns its results as tensors, and moves the random key on.
+
+  Inside a trace (a replayed step among the k steps of experimental_run_steps),
+  the program's body is traced into the enclosing program instead: each input
+  enters it as a local view, each result leaves it as an output.
+  """
+  rt = _rt()
+  env = rt.env
+  st = _current()
+  inputs = _arrays(inputs)
+  if st is None:
+    env.param.prng = _placed_key(env.param.prng)
+    outs = program.call(consts, env.param.prng, inputs)
+    _counts["execute"] += 1
+    env.param.prng = outs[-1]
+    _last_outputs[:] = [outs[-1]]
+    _run_sync_callbacks()
+    return [_wrap(o) for o in outs[:-1]]
+  tracer = rt.jax.core.Tracer
+  local = [a if isinstance(a, tracer) else _local_input(st, a) for a in inputs]
+  arrays = [_local_input(st, a) for a in consts[0]]
+  vectors = [_local_input(st, v) for v in consts[1]]
+  outs = program.local()(arrays, vectors, env.param.prng, *local)
+  env.param.prng = outs[-1]
+  results = []
+  for value, split in zip(outs[:-1], program.out_split, strict=True):
+    out = _wrap(value)
+    st.outputs.append((out, value, split))
+    st.holders[id(out)] = [out]
+    results.append(out)
+  return results
+
+
+def _on_devices(consts):
+  """A step's constants as replicated device arrays (transferred once, at the
+  trace: a replayed program reuses them; host values would be sent at every
+  run). With several processes each process gives its own devices the value."""
+  jax = _rt().jax
+  return [
+    _placed(c if isinstance(c, jax.Array) else np.asarray(c), replicated_sharding(np.ndim(c)))
+    for c in consts
+  ]
+
+
+def _lift_float_literals(jaxpr, consts):
+  """The step's jaxpr with its floating-point scalar literals made constants
+  (inputs of the program), and the constants' values.
+
+  A Python float that a step passes to a torch op (Adam's bias-corrected step
+  size, a learning rate a scheduler changes) is traced as a literal: baked into
+  the program, its text (the program's key) would change with the value and
+  every step would compile anew. torch_xla passes such scalars as device data.
+  """
+  literal = jax_compat.literal_type()
+  jnp = _rt().jax.numpy
+  lifted_vars, values = [], []
+
+  def lift(atom):
+    if not isinstance(atom, literal):
+      return atom
+    aval = atom.aval
+    if getattr(aval, "shape", None) != () or not jnp.issubdtype(aval.dtype, jnp.inexact):
+      return atom
+    var = jax_compat.new_var(aval)
+    lifted_vars.append(var)
+    values.append(np.asarray(atom.val, dtype=aval.dtype))
+    return var
+
+  eqns = [eqn.replace(invars=[lift(a) for a in eqn.invars]) for eqn in jaxpr.eqns]
+  outvars = [lift(a) for a in jaxpr.outvars]
+  if not lifted_vars:
+    return jaxpr, consts
+  n = len(consts)  # the constants' variables are the first invars (jax_compat.close_trace)
+  invars = [*jaxpr.invars[:n], *lifted_vars, *jaxpr.invars[n:]]
+  jaxpr = jaxpr.replace(invars=invars, eqns=eqns, outvars=outvars)
+  return jaxpr, list(consts) + values
+
+
+_programs_by_structure = {}
+
+
+class _Same:
+  """A sub-program compared by identity (kept alive: its id is never reused)."""
+
+  __slots__ = ("obj",)
+
+  def __init__(self, obj):
+    self.obj = obj
+
+  def __eq__(self, other):
+    return isinstance(other, _Same) and other.obj is self.obj
+
+  def __hash__(self):
+    return id(self.obj)
+
+
+def _param_key(value):
+  if isinstance(value, jax_compat.closed_jaxpr_types()):
+    return _Same(value)
+  if isinstance(value, (tuple, list)):
+    return tuple(_param_key(v) for v in value)
+  try:
+    hash(value)
+  except TypeError:
+    return ("repr", repr(value))
+  return value
+
+
+def _structure(jaxpr):
+  """A key of a jaxpr that is cheap to build (the text of a group of k steps
+  costs tens of ms): its equations' primitives, operands, result types and
+  parameters, sub-programs by identity. Equal structures are equal programs;
+  a program seen under another structure (a sub-program traced anew) is found
+  by its text (`_program_for`)."""
+  literal = jax_compat.literal_type()
+  ids = {}
+
+  def atom(a):
+    if isinstance(a, literal):
+      return ("literal", repr(a.val), a.aval)
+    return ids.setdefault(a, len(ids))
+
+  parts = [tuple(v.aval for v in jaxpr.constvars), tuple(v.aval for v in jaxpr.invars)]
+  for v in (*jaxpr.constvars, *jaxpr.invars):
+    atom(v)
+  for eqn in jaxpr.eqns:
+    params = tuple(sorted((k, _param_key(v)) for k, v in eqn.params.items()))
+    operands = tuple(atom(a) for a in eqn.invars)
+    results = tuple(v.aval for v in eqn.outvars)
+    for v in eqn.outvars:
+      atom(v)
+    parts.append((eqn.primitive, operands, results, params))
+  parts.append(tuple(atom(a) for a in jaxpr.outvars))
+  return tuple(parts)
+
+
+def _program_for(jaxpr, st, layout):
+  """The compiled program of a traced step (one per distinct jaxpr and placement)."""
+  jax = _rt().jax
+  from jax.sharding import PartitionSpec as P
+
+  in_split = tuple(split for _, split in st.inputs)
+  out_split = tuple(split for _, _, split in st.outputs)
+  shape = (_structure(jaxpr), in_split, out_split, layout)
+  program = _programs_by_structure.get(shape)
+  if program is not None:
+    return program
+  key = (str(jaxpr), in_split, out_split, layout)
+  program = _programs.get(key)
+  if program is not None:
+    _programs_by_structure[shape] = program
+    return program
+  closed = jaxpr
+  body = _unpacking_body(closed, layout)
+  in_specs = (P(), P(), P()) + tuple(P(REPLICA_AXIS) if s else P() for s in in_split)
+  out_specs = [P(REPLICA_AXIS) if s else P() for s in out_split] + [P()]
+  mapped = jax.shard_map(body, mesh=mesh(), in_specs=in_specs, out_specs=out_specs, check_vma=False)
+  program = _Program(jax.jit(mapped), key, closed, in_split, out_split, layout)
+  _programs[key] = program
+  _programs_by_structure[shape] = program
+  return program
+
+
+def _run_sync_callbacks():
+  while _sync_callbacks:
+    _sync_callbacks.pop(0)()
+
+
+def on_boundary(callback):
+  _sync_callbacks.append(callback)
