@@ -90,7 +90,7 @@ class CompileWatch:
     self._synced = None
     self._queued = False  # a step closure waits for the next sync
     # (step number, signature, (number, signature and state) of its fn's previous
-    # step, compiled yet, state); _replay.py reads the signature
+    # step, compiled yet, state); replay.py reads the signature
     self._last = None
     self._by_fn = {}
     self._state_of = None  # what `take_state` needs, while a step's state is not taken

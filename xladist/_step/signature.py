@@ -11,7 +11,7 @@ joins its program: work traced and not executed yet, writes of sync-on-read
 variables outside a step.
 
 Used to explain recompilations (`_compile_watch.py`) and to key replayed
-programs (`_replay.py`, signature only); cheap enough to take at every
+programs (`replay.py`, signature only); cheap enough to take at every
 `strategy.run` (0.35 ms with the state for a model of 102 parameters with
 momentum buffers, whose step traces in 23 ms; checked on XLA:CPU).
 """
@@ -298,7 +298,7 @@ def _hyper_class(value):
 
 def take(fn, args, kwargs, store):
   """The signature of `strategy.run(fn, args, kwargs)` for the variables `store`
-  tracks (replay, `_replay.py`, keys its programs by it)."""
+  tracks (replay, `replay.py`, keys its programs by it)."""
   return _take(fn, args, kwargs, store, None)
 
 
