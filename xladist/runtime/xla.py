@@ -771,12 +771,12 @@ def __getattr__(name):
 
 
 def buffer_ids(tensors):
-  """xla_programs.buffer_ids after the executions in flight (a buffer still
-  being computed has no handle yet: reading one crashes torch_xla 2.9)."""
+  """xla_programs.buffer_ids, waiting for the executions in flight before it
+  reads a handle (a buffer still being computed has none: reading one crashes
+  torch_xla 2.9)."""
   from xladist.runtime import xla_programs
 
-  wait()
-  return xla_programs.buffer_ids(tensors)
+  return xla_programs.buffer_ids(tensors, wait)
 
 
 def foreign_idioms(handlers):

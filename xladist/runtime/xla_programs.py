@@ -35,16 +35,20 @@ def _xlac():
   return torch_xla._XLAC
 
 
-def buffer_ids(tensors):
+def buffer_ids(tensors, wait):
   """The device-buffer handle of each tensor's value, None where a computation
-  is pending. The caller waits for the executions in flight first (runtime/
-  xla.py `buffer_ids`)."""
+  is pending. Before reading handles it calls `wait()` (runtime/xla.py's: the
+  executions in flight finish; a buffer still being computed has no handle yet,
+  and reading one crashes torch_xla 2.9); with every tensor pending (a traced
+  step's outputs) there is nothing to read and nothing to wait for."""
   tensors = list(tensors)
   if not tensors:
     return []
   x = _xlac()
   pending = x._check_tensor_need_materialization(tensors)
   ready = [t for t, p in zip(tensors, pending) if not p]
+  if ready:
+    wait()
   handles = iter(x._get_tensors_handle(ready) if ready else ())
   return [None if p else next(handles) for p in pending]
 
