@@ -166,17 +166,24 @@ FAKE_HANDLERS = {
 
 def test_foreign_idioms_puts_everything_back():
   """Runtime.foreign_idioms: whatever it replaces while the block runs is put
-  back when it ends (normally or by an error); outside a step it raises nothing."""
+  back when it ends (normally or by an error); outside a step it raises nothing.
+  The garbage collector is off meanwhile: its callbacks (hypothesis times the
+  collections in module globals) would change attributes under the snapshots."""
   with runtime.foreign_idioms(dict(FAKE_HANDLERS)):
     pass  # first use: what it imports is loaded before the snapshots
-  before = _module_attributes()
-  with runtime.foreign_idioms(dict(FAKE_HANDLERS)):
-    inside = _module_attributes()
-  after = _module_attributes()
-  patched = [k for k in _changed(before, inside) if k in before]
-  assert not [k for k in patched if after.get(k) is not before[k]], patched
-  with pytest.raises(ZeroDivisionError):
+  gc.collect()
+  gc.disable()
+  try:
+    before = _module_attributes()
     with runtime.foreign_idioms(dict(FAKE_HANDLERS)):
-      1 / 0  # noqa: B018
-  again = _module_attributes()
-  assert not [k for k in patched if again.get(k) is not before[k]], patched
+      inside = _module_attributes()
+    after = _module_attributes()
+    patched = [k for k in _changed(before, inside) if k in before]
+    assert not [k for k in patched if after.get(k) is not before[k]], patched
+    with pytest.raises(ZeroDivisionError):
+      with runtime.foreign_idioms(dict(FAKE_HANDLERS)):
+        1 / 0  # noqa: B018
+    again = _module_attributes()
+    assert not [k for k in patched if again.get(k) is not before[k]], patched
+  finally:
+    gc.enable()
