@@ -17,7 +17,7 @@ TORCH_INDEX_URL ?=
 RUN := $(PY)
 CPU_ENV := PJRT_DEVICE=CPU CPU_NUM_DEVICES=4
 
-.PHONY: venv venv-jax venv-jax-new test-jax demo charlm demo-ps bench-ps test lint bench bench-input bench-collectives bench-logical \
+.PHONY: venv venv-jax venv-jax-new test-jax test-jax-old test-jax-new test-xla check demo charlm demo-ps bench-ps test lint bench bench-input bench-collectives bench-logical \
 	gpu-wheels gpu-check \
 	bench-first-step bench-checkpoint plots clean-venv
 
@@ -52,9 +52,27 @@ demo-ps: venv
 
 LINT_PATHS := xladist tests bench examples
 
-test: venv lint
-	$(CPU_ENV) $(RUN) -m pytest -q tests --ignore=tests/runtime_jax
-	$(MAKE) test-jax
+# The three suites share no state (each its own processes, environment, ports and
+# temporary folders): they run side by side, each printing its output when it ends
+# and how long it took. docs/testing.md has the measurements behind this.
+test: venv venv-jax venv-jax-new lint
+	@$(MAKE) --no-print-directory -j3 --output-sync=target test-xla test-jax-old test-jax-new
+
+# `[time] NAME: N s` after a command, keeping its exit status.
+TIMED = start=$$(date +%s); $(1); rc=$$?; echo "[time] $@: $$(( $$(date +%s) - start )) s (exit $$rc)"; exit $$rc
+
+test-xla: venv
+	@$(call TIMED,$(CPU_ENV) $(RUN) -m pytest -q -p no:cacheprovider tests --ignore=tests/runtime_jax)
+
+# The inner loop (at most 3 minutes): lint and the tests a change most often
+# breaks (the step engine, replay, variables, the runtime contract) on torch_xla.
+# `make test` (everything, both runtimes) before a change lands.
+CHECK_TESTS := tests/test_replay.py tests/test_run_steps.py tests/test_variables.py \
+	tests/test_tf_variables.py tests/test_compile_watch.py tests/test_strategy.py \
+	tests/test_training.py tests/test_replica_context.py tests/test_values.py \
+	tests/test_losses_and_clipping.py tests/shared tests/runtime_contract
+check: venv lint
+	@$(call TIMED,$(CPU_ENV) $(RUN) -m pytest -q -p no:cacheprovider $(CHECK_TESTS))
 
 # The jax runtime (XLADIST_BACKEND=jax) is tested in an environment of its own:
 # torchax cannot share torch_xla's (torch_xla 2.9.0 bundles an old torchax).
@@ -106,15 +124,18 @@ $(JAX_NEW_STAMP): pyproject.toml Makefile
 JAX_TESTS := tests/runtime_jax tests/shared tests/runtime_contract
 JAX_TEST_ENV := XLADIST_BACKEND=jax JAX_PLATFORMS=cpu XLADIST_XLA_PYTHON=$(PY)
 test-jax: venv venv-jax venv-jax-new
-	$(JAX_TEST_ENV) $(JAX_PY) -m pytest -q $(JAX_TESTS)
-	$(JAX_TEST_ENV) $(JAX_NEW_PY) -m pytest -q $(JAX_TESTS)
+	@$(MAKE) --no-print-directory -j2 --output-sync=target test-jax-old test-jax-new
+
+test-jax-old: venv venv-jax
+	@$(call TIMED,$(JAX_TEST_ENV) $(JAX_PY) -m pytest -q -p no:cacheprovider $(JAX_TESTS))
+
+test-jax-new: venv venv-jax-new
+	@$(call TIMED,$(JAX_TEST_ENV) $(JAX_NEW_PY) -m pytest -q -p no:cacheprovider $(JAX_TESTS))
 
 # Style (ruff, settings in pyproject.toml) and the one-way layers of the package
 # (import-linter's contracts in pyproject.toml).
 lint: venv
-	$(PY) -m ruff check $(LINT_PATHS)
-	$(PY) -m ruff format --check $(LINT_PATHS)
-	$(XLADIST_VENV)/bin/lint-imports
+	@$(call TIMED,$(PY) -m ruff check $(LINT_PATHS) && $(PY) -m ruff format --check $(LINT_PATHS) && $(XLADIST_VENV)/bin/lint-imports)
 
 bench: venv
 	$(CPU_ENV) $(RUN) bench/step_overhead.py
