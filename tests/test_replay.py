@@ -952,16 +952,25 @@ def test_verification_catches_an_unwatched_change_and_raises_when_set(monkeypatc
     FLAG["scale"] = 1.0
 
 
-def test_verification_warns_and_recaptures_by_default(monkeypatch, strategy):
+def test_a_verification_mismatch_stops_replay_of_the_key_and_warns_once(monkeypatch, strategy):
+  """Never silent (issue 40): the stale key is traced from then on, so every
+  later step computes what running fn computes; one warning names what differed."""
   monkeypatch.delenv("XLADIST_REPLAY_VERIFY", raising=False)
   monkeypatch.setattr(_replay, "DEFAULT_VERIFY_EVERY", 3)
   try:
-    with pytest.warns(RuntimeWarning, match="replayed steps were stale"):
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
       _unwatched_run(strategy, 14, change_at=5)
   finally:
     FLAG["scale"] = 1.0
+  stale = [w for w in caught if "replayed steps were stale" in str(w.message)]
+  assert len(stale) == 1, [str(w.message) for w in caught]
+  assert "a different graph" in str(stale[0].message) or "other constants" in str(stale[0].message)
+  assert "traced at every step from now on" in str(stale[0].message)
   rep = _replayer(strategy)
-  assert rep.replays >= 6  # replay resumed with the new program
+  replays = rep.replays
+  assert rep.reasons[-1][1].startswith("not replayable: a verification trace")
+  assert replays <= 5  # none after the mismatch (step 7 at the latest)
 
 
 def test_verify_every_step_runs_clean_on_a_watched_loop(monkeypatch):

@@ -19,6 +19,31 @@ import torch
 
 from xladist import runtime as _runtime
 
+# Optimizers a strategy's step cannot run, and why (raised at their first step).
+_REFUSED = {
+  "LBFGS": (
+    "torch.optim.LBFGS calls its closure several times per step and decides on the "
+    "host from the loss (`.item()` of device values) how often: a strategy's step is "
+    "one traced program. Use another optimizer, or run LBFGS outside strategy.run "
+    "on a model that is not the strategy's"
+  ),
+  "SparseAdam": (
+    "torch.optim.SparseAdam needs sparse gradients (nn.Embedding(sparse=True)); "
+    "xladist's collectives aggregate dense gradients only. Use Adam or AdamW with "
+    "a dense embedding"
+  ),
+}
+
+
+def prepare_optimizer(optimizer):
+  """Refuses an optimizer a strategy's step cannot run, saying why."""
+  torch_classes = [
+    k.__name__ for k in type(optimizer).__mro__ if k.__module__.startswith("torch.optim")
+  ]
+  for name in torch_classes:
+    if name in _REFUSED:
+      raise TypeError(f"optimizer.step() in strategy.run: {_REFUSED[name]}.")
+
 
 def place_host_state(optimizer):
   """Places `optimizer`'s per-parameter state made on the host (see above)."""

@@ -39,7 +39,7 @@ from xladist import collectives, context
 from xladist import runtime as _runtime
 from xladist._nest import flatten, tree_map, unflatten
 from xladist._step import hyper, seeds
-from xladist._step.device_state import place_host_state
+from xladist._step.device_state import place_host_state, prepare_optimizer
 from xladist._step.grad_clip import ensure_installed as _ensure_clipping_hook
 from xladist._step.region import HOST_READ_MESSAGE, Region
 from xladist._step.replay import PLACED, Replayer
@@ -117,7 +117,9 @@ class StepEngine:
       torch_optimizer.register_optimizer_step_post_hook(self._after_optimizer_step),
     )
     self.region = region
-    swapped = self._swapped = hyper.Swapped(active=attempt.wants_hypers())
+    swapped = self._swapped = hyper.Swapped(
+      active=attempt.wants_hypers(), carried=self._replayer.carried()
+    )
     try:
       # Only frames below this one hold replica-local views (see _clear_step_frames).
       with swapped:
@@ -243,6 +245,7 @@ class StepEngine:
   def before_optimizer_step(self, ctx, optimizer):
     """optimizer.step() in a replica context: aggregate the gradients first."""
     store, step = self._ext._store, self.region.step
+    prepare_optimizer(optimizer)  # (refuses LBFGS, SparseAdam at every traced step)
     if store.track_optimizer(optimizer):
       place_host_state(optimizer)
       store.enter_optimizer(optimizer, step)

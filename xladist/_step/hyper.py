@@ -34,6 +34,7 @@ capture that differs from the last in such a constant is not replayed
 """
 
 import contextlib
+import math
 import operator
 
 import numpy as np
@@ -42,7 +43,7 @@ from torch.overrides import TorchFunctionMode
 
 from xladist._nest import flatten, unflatten
 
-LEAF, CONST, COUNT = "leaf", "const", "count"
+LEAF, CONST, STATE = "leaf", "const", "state"
 
 _recording = [None]  # the list of Hypers made by the step being traced, or None
 
@@ -122,12 +123,126 @@ for _name, _fn in _UNARY.items():
 del _name, _fn, _op, _rop
 
 
+# -- guards: host decisions a trace makes on a Hyper ------------------------------------------
+#
+# A comparison (`rho_t > 5`, `max(1, step - t0)`, `if lr < 0.05:`), `bool`, `int`,
+# `round`, `math.floor` / `ceil` / `trunc` of a Hyper gives a plain value that steers
+# the trace (a branch, a shape, a constant of the program); a replay is only right
+# while it would come out the same. Each is recorded as a guard (expression, result)
+# and checked before every replay (`guards_fail`).
+
+_guarding = [None]  # the dict of guards of the step being traced, or None
+
+_COMPARE = {
+  "lt": operator.lt,
+  "le": operator.le,
+  "gt": operator.gt,
+  "ge": operator.ge,
+  "eq": operator.eq,
+  "ne": operator.ne,
+}
+_TO_PLAIN = {"bool": bool, "int": int, "floor": math.floor, "ceil": math.ceil, "trunc": math.trunc}
+
+
+def _guard(expr, result):
+  guards = _guarding[0]
+  if guards is not None:
+    guards[expr] = result
+  return result
+
+
+def _comparison(name, fn):
+  def op(self, other):
+    if not _number(other):
+      return NotImplemented
+    return _guard((name, self.expr, _operand(other)), fn(float(self), float(other)))
+
+  return op
+
+
+for _name, _fn in _COMPARE.items():
+  setattr(Hyper, f"__{_name}__", _comparison(_name, _fn))
+for _name, _fn in _TO_PLAIN.items():
+  setattr(
+    Hyper,
+    f"__{_name}__",
+    lambda self, _name=_name, _fn=_fn: _guard((_name, self.expr), _fn(float(self))),
+  )
+Hyper.__hash__ = float.__hash__
+
+
+def _round(self, ndigits=None):
+  return _guard(("round", self.expr, ndigits), round(float(self), ndigits))
+
+
+Hyper.__round__ = _round
+del _name, _fn
+
+# `math.sqrt(h)`, `math.exp(h)`, ...: while a step that may be captured is traced, the
+# `math` module's functions of one or two numbers follow Hypers (a float subclass
+# reaches C as its value: no method of it is called), so `math.sqrt(bias_correction2)`
+# is an input of the program, not a constant of it.
+_MATH = (
+  "sqrt",
+  "exp",
+  "log",
+  "log2",
+  "log10",
+  "log1p",
+  "expm1",
+  "cos",
+  "sin",
+  "tan",
+  "acos",
+  "asin",
+  "atan",
+  "tanh",
+  "cosh",
+  "sinh",
+  "pow",
+  "fabs",
+  "atan2",
+  "hypot",
+  "copysign",
+)
+_MATH_FNS = {name: getattr(math, name) for name in _MATH}
+_math_depth = [0]
+
+
+def _math_wrapper(name, fn):
+  def wrapper(*args):
+    if any(isinstance(a, Hyper) for a in args) and all(_number(a) for a in args):
+      return Hyper(fn(*(float(a) for a in args)), ("math", name, *map(_operand, args)))
+    return fn(*args)
+
+  wrapper.__name__ = name
+  return wrapper
+
+
+_MATH_WRAPPERS = {name: _math_wrapper(name, fn) for name, fn in _MATH_FNS.items()}
+
+
+@contextlib.contextmanager
+def _math_follows_hypers():
+  if _math_depth[0] == 0:
+    for name, wrapper in _MATH_WRAPPERS.items():
+      setattr(math, name, wrapper)
+  _math_depth[0] += 1
+  try:
+    yield
+  finally:
+    _math_depth[0] -= 1
+    if _math_depth[0] == 0:
+      for name, fn in _MATH_FNS.items():
+        setattr(math, name, fn)
+
+
 def evaluate(expr, groups):
   """The value of `expr` now (`groups`: id -> parameter group or per-parameter
   state dict). A counter reads its value before the step plus its offset."""
   kind = expr[0]
-  if kind == COUNT:
-    return float(groups[expr[1]][expr[2]]) + expr[3]
+  if kind == STATE:
+    return float(groups[expr[1]][expr[2]])
   if kind == LEAF:
     value = groups[expr[1]][expr[2]]
     if expr[3] is not None:
@@ -137,7 +252,59 @@ def evaluate(expr, groups):
     return expr[1]
   if kind in _UNARY:
     return _UNARY[kind](evaluate(expr[1], groups))
+  if kind == "math":
+    return _MATH_FNS[expr[1]](*(evaluate(e, groups) for e in expr[2:]))
+  if kind in _COMPARE:
+    return _COMPARE[kind](evaluate(expr[1], groups), evaluate(expr[2], groups))
+  if kind in _TO_PLAIN:
+    return _TO_PLAIN[kind](evaluate(expr[1], groups))
+  if kind == "round":
+    return round(evaluate(expr[1], groups), expr[2])
   return _BINARY[kind](evaluate(expr[1], groups), evaluate(expr[2], groups))
+
+
+def guards_fail(guards, groups):
+  """Words naming the first guard (a host decision of the trace) that would come
+  out otherwise now, or None."""
+  for expr, result in guards:
+    try:
+      now = evaluate(expr, groups)
+    except (ArithmeticError, ValueError):
+      now = None  # (a math domain error now: the decision cannot be the same)
+    if now != result:
+      return f"a host decision of the trace changed ({describe(expr)} was {result!r}, now {now!r})"
+  return None
+
+
+def describe(expr):
+  """An expression in words: "'lr' < 0.05", "step(state) ** 0.5"."""
+  kind = expr[0]
+  if kind == LEAF:
+    return repr(expr[2]) + ("" if expr[3] is None else f"[{expr[3]}]")
+  if kind == CONST:
+    return repr(expr[1])
+  if kind == STATE:
+    return f"state[{expr[2]!r}]"
+  if kind == "math":
+    return f"math.{expr[1]}({', '.join(describe(e) for e in expr[2:])})"
+  if kind in _COMPARE or kind in _BINARY:
+    sign = {
+      "lt": "<",
+      "le": "<=",
+      "gt": ">",
+      "ge": ">=",
+      "eq": "==",
+      "ne": "!=",
+      "add": "+",
+      "sub": "-",
+      "mul": "*",
+      "truediv": "/",
+      "pow": "**",
+    }[kind]
+    return f"({describe(expr[1])} {sign} {describe(expr[2])})"
+  if kind == "round":
+    return f"round({describe(expr[1])}, {expr[2]})"
+  return f"{kind}({describe(expr[1])})"
 
 
 # -- the trace: swap the floats in, and back --------------------------------------------------
@@ -147,12 +314,18 @@ class Swapped:
   """The groups whose floats are Hypers during one traced step (`active`: only
   for a step whose program may be captured; otherwise nothing is swapped)."""
 
-  def __init__(self, active=True):
+  def __init__(self, active=True, carried=None):
     self.active = active
     self.groups = {}  # id(group) -> group
     self.saved = []  # (group, key, original value, the Hyper or tuple put in)
     self.made = []  # every Hyper made while the step was traced
     self.used = {}  # id -> the Hypers passed to a torch function (`recording`)
+    self.guards = {}  # expression -> the plain value the trace took from it
+    # (id(state), key) -> the host scalar put in (its `expr`: its value now, in
+    # terms of the values before the step). `carried`: the expressions the steps
+    # before this one left (experimental_run_steps' steps traced as one program).
+    self.scalars = {}
+    self.carried = carried if carried is not None else {}
 
   @classmethod
   def merged(cls, parts):
@@ -162,11 +335,14 @@ class Swapped:
       out.groups.update(part.groups)
       out.made.extend(part.made)
       out.used.update(part.used)
+      out.guards.update(part.guards)
+      out.scalars.update(part.scalars)
     return out
 
   def swap(self, optimizer):
-    """Swaps the floats of `optimizer`'s groups for Hypers, and its host step
-    counters for `_Counter`s (once per group and state)."""
+    """Swaps the floats of `optimizer`'s groups for Hypers, and the host scalars
+    of its state (torch's step counters, NAdam's `mu_product`) for `_HostScalar`s
+    (once per group and state)."""
     if not self.active:
       return
     for state in optimizer.state.values():
@@ -174,11 +350,12 @@ class Swapped:
       if sid in self.groups:
         continue
       for key, value in list(state.items()):
-        if _is_counter(value):
-          counter = value.as_subclass(_Counter)
-          counter._xladist_count = (sid, key, float(value))
-          self.saved.append((state, key, value, counter))
-          state[key] = counter
+        if _is_host_scalar(value):
+          scalar = value.as_subclass(_HostScalar)
+          scalar.expr = self.carried.get((sid, key), (STATE, sid, key))
+          self.saved.append((state, key, value, scalar))
+          self.scalars[(sid, key)] = scalar
+          state[key] = scalar
           self.groups[sid] = state
     for group in optimizer.param_groups:
       gid = id(group)
@@ -201,14 +378,31 @@ class Swapped:
         group[key] = new
 
   def __enter__(self):
-    self._outer = _recording[0]
-    _recording[0] = self.made
+    self._outer = _recording[0], _guarding[0]
+    if self.active:
+      _recording[0], _guarding[0] = self.made, self.guards
+      self._math = _math_follows_hypers()
+      self._math.__enter__()
+    else:
+      _recording[0] = self.made
     return self
 
   def __exit__(self, *exc):
-    _recording[0] = self._outer
+    _recording[0], _guarding[0] = self._outer
+    if self.active:
+      self._math.__exit__(*exc)
     self.restore()
     return False
+
+  def updates(self):
+    """The host scalars the step changed: {(id(state), key): expression of the new
+    value}, None for one whose new value is not an expression of the values
+    before the step (an untracked write)."""
+    return {
+      place: scalar.expr
+      for place, scalar in self.scalars.items()
+      if scalar.expr != self.carried.get(place, (STATE, *place))
+    }
 
   def recording(self):
     """A torch-function mode that notes every Hyper passed to a torch function
@@ -270,29 +464,90 @@ def group_change(optimizers, before, after):
   return "the step changed an optimizer's parameter groups"
 
 
-def _is_counter(value):
-  """A host step counter of an optimizer's state (torch's default Adam, AdamW,
-  Adagrad, ...: a float CPU scalar the step adds 1 to)."""
+def _is_host_scalar(value):
+  """A host scalar of an optimizer's state (the `step` counter of torch's default
+  Adam, AdamW, Adagrad, RAdam, NAdam; NAdam's `mu_product`): a float CPU scalar
+  that torch's step reads with `item()` and updates in place."""
   return (
     isinstance(value, torch.Tensor)
-    and not isinstance(value, _Counter)
+    and not isinstance(value, _HostScalar)
     and value.device.type == "cpu"
     and value.dim() == 0
     and value.is_floating_point()
   )
 
 
-class _Counter(torch.Tensor):
-  """A host step counter while a step is traced: `item()` (what the optimizer
-  reads to compute its bias corrections) is a Hyper, the counter's value before
-  the step plus what the step added so far. A replayed step feeds the
-  corrections' values for the counter's new value and adds to it as the step
-  would (replay.py)."""
+_UNTRACKED = ("untracked",)
+_INPLACE = {
+  "__iadd__": "add",
+  "add_": "add",
+  "__isub__": "sub",
+  "sub_": "sub",
+  "__imul__": "mul",
+  "mul_": "mul",
+  "__itruediv__": "truediv",
+  "div_": "truediv",
+}
+_OTHER_INPLACE = ("__ipow__", "__imod__", "__ifloordiv__", "__iand__", "__ior__", "__ixor__")
+
+
+def _in_place(name):
+  return (
+    name in _INPLACE
+    or name in _OTHER_INPLACE
+    or (name.endswith("_") and not name.startswith("_") and name != "requires_grad_")
+  )
+
+
+def _scalar_expr(value):
+  """The expression of an operand of a host scalar's update, or None."""
+  if isinstance(value, Hyper):
+    return value.expr
+  if isinstance(value, _HostScalar):
+    return value.expr
+  if _number(value):
+    return (CONST, float(value))
+  return None
+
+
+class _HostScalar(torch.Tensor):
+  """A host scalar of an optimizer's state while a step is traced. `expr`: its
+  value as an expression of the values before the step and the hyperparameters;
+  in-place arithmetic (`step_t += 1`, `mu_product *= mu`) and `copy_` extend it,
+  and `item()` is a Hyper of it. A replayed step feeds what torch computes from
+  it on the host as inputs, and sets it to the expression's value (replay.py)."""
+
+  expr = _UNTRACKED
 
   def item(self):
-    sid, key, start = self._xladist_count
-    value = torch.Tensor.item(self)
-    return Hyper(value, (COUNT, sid, key, value - start))
+    return Hyper(torch.Tensor.item(self.as_subclass(torch.Tensor)), self.expr)
+
+  @classmethod
+  def __torch_function__(cls, func, types, args=(), kwargs=None):
+    kwargs = kwargs or {}
+    name = getattr(func, "__name__", None) or ""
+    target = args[0] if args else None
+    update = isinstance(target, _HostScalar) and _in_place(name)
+    new = _UNTRACKED
+    if update:
+      other = args[1] if len(args) == 2 else None
+      if name in _INPLACE and other is not None and set(kwargs) <= {"alpha"}:
+        operand, alpha = _scalar_expr(other), kwargs.get("alpha", 1)
+        if operand is not None and _number(alpha):
+          if alpha != 1:
+            operand = ("mul", operand, (CONST, float(alpha)))
+          new = (_INPLACE[name], target.expr, operand)
+      elif name in ("copy_", "fill_") and other is not None and not kwargs:
+        new = _scalar_expr(other) or _UNTRACKED
+      elif name == "zero_" and len(args) == 1:
+        new = (CONST, 0.0)
+    plain = [a.as_subclass(torch.Tensor) if isinstance(a, _HostScalar) else a for a in args]
+    with torch._C.DisableTorchFunctionSubclass():
+      out = func(*plain, **kwargs)
+    if update:
+      target.expr = new
+      return target
+    return out
 
 
 class _Uses(TorchFunctionMode):
@@ -389,9 +644,22 @@ def match(scalars, made):
   return out
 
 
+def compatible(old, new):
+  """Whether two captures' hyperparameter inputs can be the same: each input has
+  a candidate expression both captures saw (equal values at each capture)."""
+  return all(
+    (a is None) == (b is None) and (a is None or set(a.exprs) & set(b.exprs))
+    for a, b in zip(old, new)
+  )
+
+
 def agree(old, new):
-  """Marks the inputs of `new` proven that were proven in `old` or changed
-  value between the two captures (which agree in everything else)."""
+  """Narrows each input of `new` to the candidates both captures saw, and marks
+  it proven when it was proven in `old` or its value changed between the two
+  captures (which agree in everything else): a coincidence of values at one
+  capture (lr equal to another group's lr) is gone once they part."""
   for a, b in zip(old, new):
     if a is not None and b is not None:
+      both = tuple(e for e in b.exprs if e in set(a.exprs))
+      b.exprs = both or b.exprs
       b.proven = a.proven or a.value != b.value

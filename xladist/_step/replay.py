@@ -107,6 +107,7 @@ from xladist._step.replay_program import (
   _debug,
   _Entry,
   _fresh_scalars,
+  _guards_fail,
   _inputs,
   _steps_plan,
   _Traced,
@@ -125,6 +126,7 @@ _OFF = ("0", "off", "false", "no")
 DEFAULT_VERIFY_EVERY = 100
 _MAX_KEYS = 16  # keys (programs) kept per strategy, least recently used dropped
 _FRESH_LIMIT = 3  # steps in a row with a new key after which they are not captured
+_GUARD_LIMIT = 4  # replays in a row refused by a guard after which a key is traced
 
 
 def _env_off(name):
@@ -262,9 +264,21 @@ class Replayer:
       out = self._replay(entry, leaves, seed)
       if not isinstance(out, _Traced):
         entry.since_verify += 1
+        entry.guard_failures = 0
         self.last_replayed = (entry, _weak(fn), spec, [_arg_entry(x) for x in leaves])
         return out, None
       why = out.why
+      if out.guard:
+        entry.guard_failures += 1
+        if entry.guard_failures >= _GUARD_LIMIT:
+          entry.refused = (
+            f"its host decisions changed at {_GUARD_LIMIT} replays in a row (last: {why})"
+          )
+          logger.warning(
+            "xladist replay: %s is traced at every step from now on: %s",
+            getattr(fn, "__qualname__", fn),
+            entry.refused,
+          )
     elif why is not None:
       pass  # a new key: captured (compiled and run now) at its first trace
     elif entry.program is None:
@@ -296,7 +310,7 @@ class Replayer:
     if _runtime.REPLAY_KIND != "program":
       return self._group_steps(entry, fn, args_list)
     prog = entry.program
-    if prog.counters or isinstance(_fresh_scalars(prog), _Traced):
+    if prog.counters or _guards_fail(prog) or isinstance(_fresh_scalars(prog), _Traced):
       return None  # (a scan feeds every step the same scalars: not with step counters)
     plan, fixed, carried, stacked = _steps_plan(prog, leaves_list, self._n)
     if plan is None:
@@ -369,6 +383,16 @@ class Replayer:
         group.program.starts = offsets
     seeds.STEP_SEEDS.settle_chain(starts, seeds.STEP_SEEDS.left)
     return outs
+
+  def carried(self):
+    """Inside experimental_run_steps' steps traced as one program: the expressions
+    of the host scalars the steps before this one left (hyper.Swapped), else None."""
+    if not self._in_group:
+      return None
+    out = {}
+    for part in self._group_hypers:
+      out.update((place, scalar.expr) for place, scalar in part.scalars.items())
+    return out
 
   def _signature(self, fn, args, kwargs, watch):
     """The step's signature: the one the compile watch took at the start of this

@@ -205,15 +205,19 @@ class _Attempt:
     if self._verify is None:
       self._record(f"captured {what} than the last trace: the next trace confirms it")
     else:
+      # Never silent: this key is not replayed again (its steps are traced, so the
+      # numbers from here on are the traced ones), said once.
       strict, every = self._verify
       rep = self._replayer
+      entry.refused = f"a verification trace at step {rep.steps} captured {what}"
       message = (
         f"xladist: replayed steps were stale: a verification trace at step {rep.steps} "
         f"captured {what} than the program replayed since (up to {every - 1} steps "
         "before this one used the old program). fn depends on something xladist does "
         "not watch; pass it as an argument or read it by name in fn (a closure or "
         "global plain value), or turn replay off for this step "
-        "(RunOptions(experimental_replay=False) or XLADIST_REPLAY=0)."
+        "(RunOptions(experimental_replay=False) or XLADIST_REPLAY=0). This step "
+        "function is traced at every step from now on."
       )
       logger.warning(message)
       if strict:
@@ -287,9 +291,17 @@ class _Attempt:
     prog.runtime_program = (program, None)  # compiled at its first run (none when cached)
     prog.draws = draws
     prog.hypers = hypers
-    prog.groups = self.hypers.groups if hypers else {}
-    prog.counters = tuple(self._counters)
+    _host_decisions(prog, self)
     return prog, values
+
+
+def _host_decisions(prog, attempt):
+  """What the program assumes of the host: the guards of the trace (hyper.py), the
+  host scalars it updates, and the groups and states their expressions read."""
+  swapped = attempt.hypers
+  prog.groups = swapped.groups if swapped is not None else {}
+  prog.guards = tuple(swapped.guards.items()) if swapped is not None else ()
+  prog.counters = tuple(attempt._counters)
 
 
 def _hyper_sources(attempt, sources, consts):
@@ -326,7 +338,8 @@ def _new_state_slots(attempt):
         raise _NotCapturable("the step created state (optimizer state or variables)")
       slots.append(s)
       uids.append(None)
-  host, attempt._counters = _host_change(store, attempt._host, _host_state(store))
+  updates = attempt.hypers.updates() if attempt.hypers is not None else {}
+  host, attempt._counters = _host_change(store, attempt._host, _host_state(store), updates)
   if host is None:
     optimizers = list(store.optimizers())
     after = hyper.group_values(optimizers)
@@ -435,13 +448,12 @@ def _program_of_runtime(attempt, result):
   if made and prog.scalar_slots:
     scalars = [(host[v][j].item(), _torch_dtype(host[v].dtype)) for v, j in prog.scalar_slots]
     prog.hypers = hyper.match(scalars, made)
-    prog.groups = attempt.hypers.groups
   masked = [np.array(v) for v in host]
   for h, (v, j) in zip(prog.hypers, prog.scalar_slots):
     if h is not None:
       masked[v][j] = 0
   prog.host_vectors = host
-  prog.counters = tuple(attempt._counters)
+  _host_decisions(prog, attempt)
   prog.consts = [(id(a), _ConstView(a)) for a in consts[0]] + [
     (("scalars", i), _ConstView(m)) for i, m in enumerate(masked)
   ]

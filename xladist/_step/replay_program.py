@@ -80,6 +80,7 @@ class _Program:
     "scalar_slots",
     "host_vectors",
     "counters",
+    "guards",
   )
 
   def fingerprint(self):
@@ -93,7 +94,9 @@ class _Program:
       self.ret_spec,
       tuple(self.ret_leaves),
       self.draws,
-      tuple(h.key() if h is not None else None for h in self.hypers),
+      tuple(str(h.dtype) if h is not None else None for h in self.hypers),
+      tuple((id(state), key, expr) for state, key, expr in self.counters),
+      self.guards,
     )
 
 
@@ -118,6 +121,8 @@ def _differs(old, new):
     return "a different graph (XLA program hash)"
   if fa != fb:
     return "the same graph with its inputs or outputs mapped differently"
+  if not hyper.compatible(old.hypers, new.hypers):
+    return "the same graph with a hyperparameter input matched to other hyperparameters"
   if not _same_constants(old.consts, new.consts):
     return (
       "the same graph with other constants (a Python number or a tensor fn reads "
@@ -127,7 +132,15 @@ def _differs(old, new):
 
 
 class _Entry:
-  __slots__ = ("program", "promoted", "since_verify", "refused", "failures", "groups")
+  __slots__ = (
+    "program",
+    "promoted",
+    "since_verify",
+    "refused",
+    "failures",
+    "groups",
+    "guard_failures",
+  )
 
   def __init__(self):
     self.program = None
@@ -136,12 +149,26 @@ class _Entry:
     self.refused = None  # why this key is never replayed, or None
     self.failures = 0  # captures refused so far (twice: never again)
     self.groups = {}  # k -> _Entry of k steps after this key's step as one program (torch_xla)
+    self.guard_failures = 0  # replays refused by a guard in a row
 
 
 def _advance(prog):
-  """Adds to the host step counters what the replayed step adds (hyper.py)."""
-  for state, key, step in prog.counters:
-    state[key].add_(step)
+  """Sets the host scalars of the optimizers' state (step counters, NAdam's
+  `mu_product`) to what the replayed step computes from their values before it
+  (hyper.py): every new value first, then every write."""
+  if not prog.counters:
+    return
+  new = [hyper.evaluate(expr, prog.groups) for _, _, expr in prog.counters]
+  for (state, key, _), value in zip(prog.counters, new):
+    state[key].fill_(value)
+
+
+def _guards_fail(prog):
+  """A `_Traced` when a host decision of the trace would come out otherwise now."""
+  if not prog.guards:
+    return None
+  why = hyper.guards_fail(prog.guards, prog.groups)
+  return None if why is None else _Traced(why, guard=True)
 
 
 def _fresh_scalars(prog):
@@ -270,6 +297,9 @@ def _inputs(prog, leaves, n, seed):
   """A replay's inputs, in the program's order (slots' current values, the
   arguments' global tensors, constants, the seed), or a `_Traced` saying why
   the step must be traced."""
+  failed = _guards_fail(prog)
+  if failed is not None:
+    return failed
   slots = prog.slots
   inputs = []
   for source in prog.sources:
@@ -388,7 +418,8 @@ def _program_record(key, slots, sources, targets, aliases, cleared, ret_spec, re
   prog.groups = {}  # id -> the parameter groups the hypers read
   prog.scalar_slots = ()  # jax: (vector index, position) of each scalar constant
   prog.host_vectors = None  # jax: the scalar vectors' values, as last fed
-  prog.counters = ()  # the host step counters the step adds to: (state, key, increment)
+  prog.counters = ()  # the host scalars the step updates: (state, key, expression)
+  prog.guards = ()  # (expression, value): the host decisions of the trace (hyper.py)
   return prog
 
 
@@ -418,10 +449,11 @@ class _ConstView:
 class _Traced:
   """`Replayer._replay`: the step could not be replayed and is traced, because..."""
 
-  __slots__ = ("why",)
+  __slots__ = ("why", "guard")
 
-  def __init__(self, why):
+  def __init__(self, why, guard=False):
     self.why = why
+    self.guard = guard  # a guard of the trace failed (hyper.py)
 
 
 class _NotCapturable(Exception):

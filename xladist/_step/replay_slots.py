@@ -153,41 +153,45 @@ def _host_state(store):
   return out
 
 
-def _host_change(store, before, after):
-  """(words naming the first host-side optimizer state a step changed, or None;
-  the host step counters it advanced: [(state dict, key, increment)]).
+def _host_change(store, before, after, updates):
+  """(words naming the first host-side optimizer state a step changed in a way a
+  replay cannot repeat, or None; the host scalars it updated: [(state dict, key,
+  expression of the new value)]).
 
-  A float CPU scalar of a parameter's state that the step added to (the `step`
-  of torch's default Adam, AdamW, Adagrad, ...) is a counter: a replayed step
-  adds the same, and hyper.py feeds the bias corrections for its new value."""
+  `updates` (hyper.Swapped.updates): the host scalars of the optimizers' state
+  (torch's `step` counters, NAdam's `mu_product`) whose in-place updates the trace
+  followed: a replayed step sets each to its expression's value, computed from
+  the values before the step (hyper.py)."""
   if before == after:
     return None, []
   old = dict(before)
   optimizers = list(store.optimizers())
   states = [list(opt.state.values()) for opt in optimizers]
-  counters = []
+  changed = []
   for place, value in after:
     was = old.get(place, _MISSING)
     if was == value:
       continue
     i, p_index, key = place
+    state = states[i][p_index]
+    expr = updates.get((id(state), key))
     if (
       type(was) is tuple
       and type(value) is tuple
       and value[0] == was[0]
-      and value[2] is not None
-      and value[2] > was[2]
+      and expr is not None
+      and expr[0] != "untracked"
     ):
-      counters.append((states[i][p_index], key, value[2] - was[2]))
+      changed.append((state, key, expr))
       continue
     name = type(optimizers[i]).__name__
     return (
       f"{name} keeps state[...][{key!r}] outside the XLA device and the step changes it "
-      "in a way replay cannot repeat (a Python value, or a host tensor that is not a "
-      "step counter): its steps are traced every time; keep that state in a tensor on "
-      "the device to replay them"
-    ), counters
-  return None, counters
+      "in a way replay cannot repeat (a Python value, or a host tensor written by an op "
+      "xladist does not follow): its steps are traced every time; keep that state in a "
+      "tensor on the device to replay them"
+    ), changed
+  return None, changed
 
 
 _MISSING = object()

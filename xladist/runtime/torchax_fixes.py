@@ -88,6 +88,9 @@ Fixes 3, 9 and 10 are lowerings of their own, in torchax_lowerings.py; on torch
    underneath run under torchax's autocast with torch's dtype (what a
    function of another name, `F.cross_entropy`, becomes: `nll_loss` in
    float32).
+13. `out=` of a torch function (`torch.maximum(a, b, out=a)` in Adam's amsgrad
+   and Adamax): torchax's function lowerings take no `out` (TypeError); the
+   result is computed without it and copied into `out`.
 
 Not here (the runtime's step handles it): the PRNG key, which torchax's
 `jax_jit` bakes in at trace time (the same dropout mask every step): the step
@@ -222,6 +225,18 @@ def _host_only(txt, args, kwargs):
 _JAX_DEVICES = ("jax", "privateuseone")
 
 
+def _own_torch_function(torch, args):
+  """The `__torch_function__` of a host tensor subclass among `args` that defines
+  its own (a mode comes before it, so torchax's would hide it), or None."""
+  base = torch.Tensor.__torch_function__.__func__
+  for a in args:
+    if isinstance(a, torch.Tensor) and type(a) is not torch.Tensor:
+      own = type(a).__torch_function__
+      if getattr(own, "__func__", None) is not base:
+        return own
+  return None
+
+
 def _data_alias(self):
   from torchax import tensor as txt
 
@@ -283,8 +298,25 @@ def install():
   def torch_function(self, func, types, args=(), kwargs=None):
     kwargs = kwargs or {}
     if _host_only(txt, args, kwargs):
+      own = _own_torch_function(torch, args)
+      if own is not None:  # a host tensor subclass's rules (xladist's host scalars)
+        with torch.utils._python_dispatch._disable_current_modes():
+          return own(func, types, args, kwargs)
       with torch.utils._python_dispatch._disable_current_modes(), torch._C.DisableTorchFunction():
         return func(*args, **kwargs)  # fix 7
+    if kwargs.get("out") is not None and not isinstance(
+      func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+    ):
+      # fix 13: `torch.maximum(a, b, out=a)` (Adam's amsgrad, Adamax): torchax's
+      # function lowerings take no `out`; the result is computed, then written.
+      out = kwargs.pop("out")
+      result = torch_function(self, func, types, args, kwargs)
+      if isinstance(out, (tuple, list)):
+        for o, r in zip(out, result):
+          o.copy_(r)
+      else:
+        out.copy_(result)
+      return out
     autocast = torch.is_autocast_enabled("jax")  # inside __torch_dispatch__ it reads False
     if autocast and self.env.param.autocast_dtype is None:
       with self.env.override_property(autocast_dtype=torch.get_autocast_dtype("jax")):
