@@ -43,6 +43,36 @@ def prepare_optimizer(optimizer):
   for name in torch_classes:
     if name in _REFUSED:
       raise TypeError(f"optimizer.step() in strategy.run: {_REFUSED[name]}.")
+  if "ASGD" in torch_classes:
+    _asgd_host_scalars(optimizer)
+
+
+def _asgd_host_scalars(optimizer):
+  """torch's ASGD makes `step`, `eta` and `mu` on the parameter's device, then (its
+  default, capturable=False path) reads them with `.item()` and computes their new
+  values in Python: a host read in a step. xladist makes them where torch's own CPU
+  run has them, on the host, before ASGD's first step (ASGD's `ax` stays on the
+  device), so the step computes them as on the CPU and a replay follows them
+  (hyper.py's host scalars)."""
+  dtype = torch.get_default_dtype()
+  for group in optimizer.param_groups:
+    if group.get("capturable"):
+      continue
+    for p in group["params"]:
+      state = optimizer.state[p]
+      if len(state) == 0 and p.grad is not None:
+        state["step"] = torch.zeros((), dtype=dtype)
+        state["eta"] = torch.tensor(float(group["lr"]), dtype=dtype)
+        state["mu"] = torch.ones((), dtype=dtype)
+        state["ax"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+      for key in ("step", "eta", "mu"):
+        v = state.get(key)
+        if isinstance(v, torch.Tensor) and _runtime.is_device_tensor(v) and v.dim() == 0:
+          raise TypeError(
+            "optimizer.step() in strategy.run: this ASGD keeps state[...]"
+            f"[{key!r}] on the device and its step reads it on the host; make the "
+            "optimizer under strategy.scope() (or load its state after the first step)"
+          )
 
 
 def place_host_state(optimizer):

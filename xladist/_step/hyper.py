@@ -507,6 +507,15 @@ def _scalar_expr(value):
     return value.expr
   if _number(value):
     return (CONST, float(value))
+  if (
+    type(value) is torch.Tensor
+    and value.device.type == "cpu"
+    and value.dim() == 0
+    and value.is_floating_point()
+  ):
+    # A host scalar made from plain numbers (ASGD's `torch.as_tensor(1 / max(1,
+    # step - t0))` while the `max` picks the 1: the comparison is a guard).
+    return (CONST, float(value.item()))
   return None
 
 
@@ -518,6 +527,7 @@ class _HostScalar(torch.Tensor):
   it on the host as inputs, and sets it to the expression's value (replay.py)."""
 
   expr = _UNTRACKED
+  _xladist_host_rules = True  # runtime/torchax_fixes.py: run these rules on jax too
 
   def item(self):
     return Hyper(torch.Tensor.item(self.as_subclass(torch.Tensor)), self.expr)
@@ -541,13 +551,26 @@ class _HostScalar(torch.Tensor):
         new = _scalar_expr(other) or _UNTRACKED
       elif name == "zero_" and len(args) == 1:
         new = (CONST, 0.0)
-    plain = [a.as_subclass(torch.Tensor) if isinstance(a, _HostScalar) else a for a in args]
+    if update:
+      plain = [a.as_subclass(torch.Tensor) if isinstance(a, _HostScalar) else a for a in args]
+    else:
+      # A host scalar as an operand of another op (ASGD's `mul_(mu)` of a device
+      # tensor): its value as a Hyper, so the program takes it as an input.
+      plain = [
+        a
+        if not isinstance(a, _HostScalar)
+        else (a.item() if i > 0 else a.as_subclass(torch.Tensor))
+        for i, a in enumerate(args)
+      ]
     with torch._C.DisableTorchFunctionSubclass():
       out = func(*plain, **kwargs)
     if update:
       target.expr = new
       return target
     return out
+
+
+_FACTORIES = (torch.as_tensor, torch.tensor, torch.scalar_tensor)
 
 
 class _Uses(TorchFunctionMode):
@@ -557,9 +580,20 @@ class _Uses(TorchFunctionMode):
 
   def __torch_function__(self, func, types, args=(), kwargs=None):
     kwargs = kwargs or {}
-    for value in (*args, *kwargs.values()):
+    if func in _FACTORIES and args and isinstance(args[0], Hyper):
+      # `torch.as_tensor(lr / (...))` on the host (ASGD's new `eta`): a host
+      # scalar of that expression, so a `copy_` of it into state is followed.
+      out = func(*args, **kwargs)
+      if out.device.type == "cpu" and out.dim() == 0 and out.is_floating_point():
+        out = out.as_subclass(_HostScalar)
+        out.expr = args[0].expr
+      return out
+    for i, value in enumerate((*args, *kwargs.values())):
       if isinstance(value, Hyper):
         self.used[id(value)] = value
+      elif isinstance(value, _HostScalar) and i > 0:
+        h = value.item()  # an operand: it enters the op as a scalar (`_HostScalar`)
+        self.used[id(h)] = h
       elif type(value) in (tuple, list):
         for v in value:
           if isinstance(v, Hyper):
@@ -594,19 +628,32 @@ class Input:
         name = repr(expr[2]) + ("" if expr[3] is None else f"[{expr[3]}]")
         if name not in found:
           found.append(name)
+      elif expr[0] == STATE:
+        name = f"state[{expr[2]!r}]"
+        if name not in found:
+          found.append(name)
       elif expr[0] != CONST:
         for part in expr[1:]:
-          walk(part)
+          if type(part) is tuple:
+            walk(part)
 
     for e in self.exprs:
       walk(e)
     return ", ".join(found)
 
-  def current(self, groups):
+  def current(self, groups, memo=None):
     """The value now (in the program's dtype), or None when the candidates
-    that were equal at the capture differ now."""
+    that were equal at the capture differ now. `memo` (one per replay): inputs
+    that share their candidates (every parameter's bias correction matches every
+    parameter's step counter: n inputs of n candidates) evaluate them once."""
+    key = (id(self.exprs), self.dtype)
+    if memo is not None and key in memo:
+      return memo[key]
     values = {_cast(evaluate(e, groups), self.dtype) for e in self.exprs}
-    return values.pop() if len(values) == 1 else None
+    value = values.pop() if len(values) == 1 else None
+    if memo is not None:
+      memo[key] = value
+    return value
 
 
 _NUMPY = {torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16}
@@ -629,6 +676,7 @@ def match(scalars, made):
   `made`: the Hypers the traced step made. Candidates are the distinct
   expressions whose value, in the scalar's dtype, equals it."""
   by_dtype = {}
+  shared = {}  # (dtype, value) -> one tuple of candidates, shared by its inputs
   out = []
   for value, dtype in scalars:
     if dtype is None or not dtype.is_floating_point:
@@ -640,17 +688,29 @@ def match(scalars, made):
       for h in made:
         table.setdefault(_cast(float(h), dtype), {}).setdefault(h.expr, None)
     exprs = table.get(value)
-    out.append(Input(tuple(exprs), dtype, value) if exprs else None)
+    if not exprs:
+      out.append(None)
+      continue
+    if (dtype, value) not in shared:
+      shared[(dtype, value)] = tuple(exprs)
+    out.append(Input(shared[(dtype, value)], dtype, value))
   return out
 
 
 def compatible(old, new):
   """Whether two captures' hyperparameter inputs can be the same: each input has
   a candidate expression both captures saw (equal values at each capture)."""
-  return all(
-    (a is None) == (b is None) and (a is None or set(a.exprs) & set(b.exprs))
-    for a, b in zip(old, new)
-  )
+  checked = {}
+  for a, b in zip(old, new):
+    if (a is None) != (b is None):
+      return False
+    if a is not None:
+      pair = (id(a.exprs), id(b.exprs))
+      if pair not in checked:
+        checked[pair] = not set(a.exprs).isdisjoint(b.exprs)
+      if not checked[pair]:
+        return False
+  return True
 
 
 def agree(old, new):
@@ -658,8 +718,12 @@ def agree(old, new):
   it proven when it was proven in `old` or its value changed between the two
   captures (which agree in everything else): a coincidence of values at one
   capture (lr equal to another group's lr) is gone once they part."""
+  narrowed = {}  # (id of old candidates, id of new) -> the common ones, shared
   for a, b in zip(old, new):
     if a is not None and b is not None:
-      both = tuple(e for e in b.exprs if e in set(a.exprs))
-      b.exprs = both or b.exprs
+      pair = (id(a.exprs), id(b.exprs))
+      if pair not in narrowed:
+        seen = set(a.exprs)
+        narrowed[pair] = tuple(e for e in b.exprs if e in seen) or b.exprs
+      b.exprs = narrowed[pair]
       b.proven = a.proven or a.value != b.value

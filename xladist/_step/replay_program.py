@@ -179,10 +179,11 @@ def _fresh_scalars(prog):
     return None
   vectors = prog.host_vectors
   changed = None
+  memo = {}
   for h, (v, j) in zip(prog.hypers, prog.scalar_slots):
     if h is None:
       continue
-    value = _hyper_value(prog, h)
+    value = _hyper_value(prog, h, memo)
     if isinstance(value, _Traced):
       return value
     if vectors[v][j] != value:
@@ -302,6 +303,7 @@ def _inputs(prog, leaves, n, seed):
     return failed
   slots = prog.slots
   inputs = []
+  memo = {}
   for source in prog.sources:
     kind = source[0]
     if kind == SLOT:
@@ -317,7 +319,7 @@ def _inputs(prog, leaves, n, seed):
       value = source[1]
     elif kind == HYPER:
       h = prog.hypers[source[1]]
-      value = _hyper_value(prog, h)
+      value = _hyper_value(prog, h, memo)
       if isinstance(value, _Traced):
         return value
       if h.placed is None or h.placed[0] != value:
@@ -329,11 +331,11 @@ def _inputs(prog, leaves, n, seed):
   return inputs
 
 
-def _hyper_value(prog, h):
+def _hyper_value(prog, h, memo=None):
   """A hyperparameter input's value now, or a `_Traced` saying why the step is
   traced instead (see hyper.py: a match not yet confirmed by two captures is
   confirmed by a trace when its value first changes)."""
-  value = h.current(prog.groups)
+  value = h.current(prog.groups, memo)
   if value is None:
     return _Traced("hyperparameters that were equal when the step was captured differ now")
   if value != h.value and not h.proven:

@@ -226,14 +226,12 @@ _JAX_DEVICES = ("jax", "privateuseone")
 
 
 def _own_torch_function(torch, args):
-  """The `__torch_function__` of a host tensor subclass among `args` that defines
-  its own (a mode comes before it, so torchax's would hide it), or None."""
-  base = torch.Tensor.__torch_function__.__func__
+  """The `__torch_function__` of a host tensor subclass among `args` that asks for
+  its rules to run under torchax's mode (`_xladist_host_rules`: xladist's host
+  scalars; a mode comes before a subclass, so torchax's would hide them), or None."""
   for a in args:
-    if isinstance(a, torch.Tensor) and type(a) is not torch.Tensor:
-      own = type(a).__torch_function__
-      if getattr(own, "__func__", None) is not base:
-        return own
+    if isinstance(a, torch.Tensor) and getattr(type(a), "_xladist_host_rules", False):
+      return type(a).__torch_function__
   return None
 
 
@@ -297,11 +295,16 @@ def install():
 
   def torch_function(self, func, types, args=(), kwargs=None):
     kwargs = kwargs or {}
-    if _host_only(txt, args, kwargs):
-      own = _own_torch_function(torch, args)
-      if own is not None:  # a host tensor subclass's rules (xladist's host scalars)
+    own = _own_torch_function(torch, args)
+    if own is not None:
+      # xladist's host scalars: their rules first (a mode comes before a subclass).
+      # Their op alone: a host op (torch's own); as an operand of a jax tensor's op
+      # they enter as a number, and the op is lowered as usual.
+      if _host_only(txt, args, kwargs):
         with torch.utils._python_dispatch._disable_current_modes():
           return own(func, types, args, kwargs)
+      return own(func, types, args, kwargs)
+    if _host_only(txt, args, kwargs):
       with torch.utils._python_dispatch._disable_current_modes(), torch._C.DisableTorchFunction():
         return func(*args, **kwargs)  # fix 7
     if kwargs.get("out") is not None and not isinstance(
