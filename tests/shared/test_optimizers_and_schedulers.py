@@ -50,6 +50,7 @@ OPTIMIZERS = {
   "adadelta": lambda p: torch.optim.Adadelta(p, lr=0.5),
   "rmsprop-centered": lambda p: torch.optim.RMSprop(p, lr=1e-2, momentum=0.5, centered=True),
   "asgd": lambda p: torch.optim.ASGD(p, lr=1e-2, t0=3),
+  "rprop": lambda p: torch.optim.Rprop(p, lr=1e-2),
 }
 
 
@@ -198,9 +199,9 @@ def test_every_scheduler_with_the_optimizer_trains_like_plain_pytorch(name):
 
 
 # Each scheduler once, each optimizer at least once: one model, one loop, as users run it.
-_ROTATION = [name for name in OPTIMIZERS if name != "asgd"]
+_ROTATION = [name for name in OPTIMIZERS if name not in ("asgd", "rprop")]
 PAIRS = [(sched, _ROTATION[i % len(_ROTATION)]) for i, sched in enumerate(SCHEDULERS)]
-PAIRS.append(("step", "asgd"))
+PAIRS += [("step", "asgd"), ("cosine", "rprop")]
 
 
 @pytest.mark.parametrize("scheduler,name", PAIRS)
@@ -253,7 +254,7 @@ def test_a_host_branch_on_the_learning_rate_is_traced_again_when_it_flips():
   assert counts["replayed"] >= 16 - 6, counts
 
 
-@pytest.mark.parametrize("name", ["LBFGS", "SparseAdam"])
+@pytest.mark.parametrize("name", ["LBFGS", "SparseAdam", "Adafactor"])
 def test_optimizers_a_step_cannot_run_are_refused_saying_why(name):
   strategy = xd.MirroredStrategy()
   with strategy.scope():
@@ -267,6 +268,7 @@ def test_optimizers_a_step_cannot_run_are_refused_saying_why(name):
     return loss
 
   x = _split(strategy, torch.randn(N * B, D_IN))
-  with pytest.raises(TypeError, match=f"torch.optim.{name}.*(closure|sparse)"):
+  why = {"LBFGS": "closure", "SparseAdam": "sparse gradients", "Adafactor": r"norm\(2\).item"}
+  with pytest.raises(TypeError, match=f"torch.optim.{name} .*{why[name]}"):
     strategy.run(step, args=(x,))
   _runtime.sync()

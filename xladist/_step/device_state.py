@@ -27,6 +27,12 @@ _REFUSED = {
     "one traced program. Use another optimizer, or run LBFGS outside strategy.run "
     "on a model that is not the strategy's"
   ),
+  "Adafactor": (
+    "torch.optim.Adafactor reads a device value on the host at every step "
+    "(`param.norm(2).item()`, `update.norm(2).item()` inside its step): a strategy's "
+    "step is one traced program. Use AdamW (or Adam), or a factored optimizer "
+    "written with tensor ops only"
+  ),
   "SparseAdam": (
     "torch.optim.SparseAdam needs sparse gradients (nn.Embedding(sparse=True)); "
     "xladist's collectives aggregate dense gradients only. Use Adam or AdamW with "
@@ -45,6 +51,13 @@ def prepare_optimizer(optimizer):
       raise TypeError(f"optimizer.step() in strategy.run: {_REFUSED[name]}.")
   if "ASGD" in torch_classes:
     _asgd_host_scalars(optimizer)
+  if "Rprop" in torch_classes:
+    # Its default path writes through boolean masks (`sign[sign.gt(0)] = etaplus`),
+    # whose shapes depend on the values (a host read); its capturable path is the
+    # same update with `torch.where`.
+    for group in optimizer.param_groups:
+      if group.get("capturable") is False:
+        group["capturable"] = True
 
 
 def _asgd_host_scalars(optimizer):
