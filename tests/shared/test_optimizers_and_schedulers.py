@@ -126,19 +126,25 @@ def _sched_step(scheds, losses):
       sched.step()
 
 
+def _one_step(models, opts, x, y):
+  """Every model's loss, backward, every optimizer's step (plain or in `run`)."""
+  out = _losses(models, x, y)
+  for o in opts:
+    o.zero_grad()
+  out.sum().backward()
+  for o in opts:
+    o.step()
+  return out
+
+
 def _reference(make_opt, schedulers):
   models = _models(len(schedulers))
   opts, scheds = _loop(make_opt, models, schedulers)
   losses = []
   for x, y in _data():
-    out = _losses(models, x, y)
-    for o in opts:
-      o.zero_grad()
-    out.sum().backward()
-    for o in opts:
-      o.step()
-    losses.append(out.detach())
-    _sched_step(scheds, out.detach())
+    out = _one_step(models, opts, x, y).detach()
+    losses.append(out)
+    _sched_step(scheds, out)
   return torch.stack(losses), {k: v.detach() for k, v in models.state_dict().items()}
 
 
@@ -156,13 +162,7 @@ def _distributed(make_opt, schedulers):
     opts, scheds = _loop(make_opt, models, schedulers)
 
   def step(x, y):
-    out = _losses(models, x, y)
-    for o in opts:
-      o.zero_grad()
-    out.sum().backward()
-    for o in opts:
-      o.step()
-    return out
+    return _one_step(models, opts, x, y)
 
   losses = []
   for x, y in _data():

@@ -13,7 +13,7 @@ import torch
 
 from xladist import runtime as _runtime
 from xladist._nest import flatten, unflatten
-from xladist._step import hyper, seeds
+from xladist._step import hyper, hyper_inputs, seeds
 from xladist._step.replay_program import (
   _PLAIN,
   ARG,
@@ -127,7 +127,7 @@ class _Attempt:
     self._held = (values, globals_)  # keeps the buffers (and so their ids) alive
     self._uids = [_runtime.value_id(v) for v in values]
     self._host = _host_state(store)
-    self._groups = hyper.group_values(list(store.optimizers()))
+    self._groups = hyper_inputs.group_values(list(store.optimizers()))
     self._ready = True
 
   # -- after the trace ------------------------------------------------------------------------
@@ -197,7 +197,7 @@ class _Attempt:
       return
     what = _differs(old, prog)
     if what is None:
-      hyper.agree(old.hypers, prog.hypers)
+      hyper_inputs.agree(old.hypers, prog.hypers)
       entry.promoted = True
       return
     entry.promoted = False
@@ -306,7 +306,7 @@ def _host_decisions(prog, attempt):
 
 def _hyper_sources(attempt, sources, consts):
   """torch_xla: turns the CONST sources that are optimizer hyperparameters into
-  HYPER sources (hyper.py), dropping them from `consts`; their `hyper.Input`s."""
+  HYPER sources (hyper.py), dropping them from `consts`; their `hyper_inputs.Input`s."""
   made = attempt.hypers.candidates() if attempt.hypers is not None else ()
   scalar = [
     i
@@ -315,7 +315,9 @@ def _hyper_sources(attempt, sources, consts):
   ]
   if not made or not scalar:
     return []
-  found = hyper.match([(sources[i][1].cpu().item(), sources[i][1].dtype) for i in scalar], made)
+  found = hyper_inputs.match(
+    [(sources[i][1].cpu().item(), sources[i][1].dtype) for i in scalar], made
+  )
   inputs, dropped = [], set()
   for i, h in zip(scalar, found):
     if h is not None:
@@ -342,8 +344,8 @@ def _new_state_slots(attempt):
   host, attempt._counters = _host_change(store, attempt._host, _host_state(store), updates)
   if host is None:
     optimizers = list(store.optimizers())
-    after = hyper.group_values(optimizers)
-    host = hyper.group_change(optimizers, attempt._groups, after)
+    after = hyper_inputs.group_values(optimizers)
+    host = hyper_inputs.group_change(optimizers, attempt._groups, after)
   if host is not None:
     raise _NotCapturable(host, permanent=True)
   return slots, uids
@@ -447,7 +449,7 @@ def _program_of_runtime(attempt, result):
   made = attempt.hypers.candidates() if attempt.hypers is not None else ()
   if made and prog.scalar_slots:
     scalars = [(host[v][j].item(), _torch_dtype(host[v].dtype)) for v, j in prog.scalar_slots]
-    prog.hypers = hyper.match(scalars, made)
+    prog.hypers = hyper_inputs.match(scalars, made)
   masked = [np.array(v) for v in host]
   for h, (v, j) in zip(prog.hypers, prog.scalar_slots):
     if h is not None:

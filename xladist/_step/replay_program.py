@@ -20,7 +20,7 @@ import torch
 
 from xladist import runtime as _runtime
 from xladist._nest import unflatten
-from xladist._step import hyper
+from xladist._step import hyper, hyper_inputs
 from xladist._step.replay_slots import (
   _PLAIN,
   COPIES,
@@ -121,7 +121,7 @@ def _differs(old, new):
     return "a different graph (XLA program hash)"
   if fa != fb:
     return "the same graph with its inputs or outputs mapped differently"
-  if not hyper.compatible(old.hypers, new.hypers):
+  if not hyper_inputs.compatible(old.hypers, new.hypers):
     return "the same graph with a hyperparameter input matched to other hyperparameters"
   if not _same_constants(old.consts, new.consts):
     return (
@@ -416,7 +416,7 @@ def _program_record(key, slots, sources, targets, aliases, cleared, ret_spec, re
   prog.restamp = [s.tensor for s in slots if s.kind == COPIES]
   prog.n_outputs = len(targets)
   prog.starts = ()  # a group's steps: draws before each step's first seed
-  prog.hypers = []  # hyper.Input of each HYPER source (jax: of each scalar slot)
+  prog.hypers = []  # hyper_inputs.Input of each HYPER source (jax: of each scalar slot)
   prog.groups = {}  # id -> the parameter groups the hypers read
   prog.scalar_slots = ()  # jax: (vector index, position) of each scalar constant
   prog.host_vectors = None  # jax: the scalar vectors' values, as last fed
