@@ -105,12 +105,12 @@ def _models(k):
   return nn.ModuleList([nn.Linear(D_IN, D_OUT) for _ in range(k)])
 
 
-def _loop(make_opt, models, schedulers):
+def _loop(make_opt, models, make_scheds):
   opts = [make_opt(m.parameters()) for m in models]
   for i, o in enumerate(opts):  # no two models' learning rates meet (see BETAS)
     for g in o.param_groups:
       g["lr"] *= 1 + 0.0173 * i
-  scheds = [SCHEDULERS[name](o) for name, o in zip(schedulers, opts)]
+  scheds = [make(o) for make, o in zip(make_scheds, opts)]
   return opts, scheds
 
 
@@ -137,15 +137,22 @@ def _one_step(models, opts, x, y):
   return out
 
 
-def _reference(make_opt, schedulers):
-  models = _models(len(schedulers))
-  opts, scheds = _loop(make_opt, models, schedulers)
+def _reference(make_opt, make_scheds, reload_at=None):
+  models = _models(len(make_scheds))
+  opts, scheds = _loop(make_opt, models, make_scheds)
   losses = []
-  for x, y in _data():
+  for i, (x, y) in enumerate(_data()):
     out = _one_step(models, opts, x, y).detach()
     losses.append(out)
     _sched_step(scheds, out)
+    _reload(opts, i, reload_at)
   return torch.stack(losses), {k: v.detach() for k, v in models.state_dict().items()}
+
+
+def _reload(opts, i, reload_at):
+  if i == reload_at:
+    for o in opts:
+      o.load_state_dict(o.state_dict())
 
 
 def _split(strategy, t):
@@ -154,30 +161,35 @@ def _split(strategy, t):
   )
 
 
-def _distributed(make_opt, schedulers):
+def _distributed(make_opt, make_scheds, reload_at=None):
   strategy = xd.MirroredStrategy()
   assert strategy.num_replicas_in_sync == N
   with strategy.scope():
-    models = _models(len(schedulers))
-    opts, scheds = _loop(make_opt, models, schedulers)
+    models = _models(len(make_scheds))
+    opts, scheds = _loop(make_opt, models, make_scheds)
 
   def step(x, y):
     return _one_step(models, opts, x, y)
 
   losses = []
-  for x, y in _data():
+  for i, (x, y) in enumerate(_data()):
     per_replica = strategy.run(step, args=(_split(strategy, x), _split(strategy, y)))
     out = strategy.reduce("mean", per_replica, axis=None).cpu()
     losses.append(out)
     _sched_step(scheds, out)
+    _reload(opts, i, reload_at)
   weights = {k: v.detach().cpu() for k, v in models.state_dict().items()}
   return torch.stack(losses), weights, strategy.extended.experimental_replay_counts
 
 
-def _check(name, schedulers):
-  make_opt = OPTIMIZERS[name]
-  want_losses, want = _reference(make_opt, schedulers)
-  losses, got, counts = _distributed(make_opt, schedulers)
+def _check(name, schedulers, make_opt=None, make_scheds=None, reload_at=None):
+  """Trains `name` (OPTIMIZERS) with `schedulers` (SCHEDULERS' names), or the
+  factories given, distributed and plain; `reload_at`: a step after which every
+  optimizer's state goes through `state_dict()` / `load_state_dict()`."""
+  make_opt = make_opt or OPTIMIZERS[name]
+  make_scheds = make_scheds or [SCHEDULERS[s] for s in schedulers]
+  want_losses, want = _reference(make_opt, make_scheds, reload_at)
+  losses, got, counts = _distributed(make_opt, make_scheds, reload_at)
   torch.testing.assert_close(losses, want_losses, rtol=1e-4, atol=1e-5)
   for key, w in want.items():
     scale = max(w.abs().max().item(), 1e-3)
@@ -242,16 +254,44 @@ def test_a_host_branch_on_the_learning_rate_is_traced_again_when_it_flips():
   the new one, as in plain PyTorch. Before guards, the replayed program kept the
   branch of its trace (the sign update) for good: weights far from PyTorch."""
 
-  def make(params):
-    return _Switching(params, lr=0.08)
-
-  OPTIMIZERS["switching"] = make
-  SCHEDULERS["switch-at-8"] = lambda o: S.StepLR(o, step_size=8, gamma=0.5)
-  try:
-    counts = _check("switching", ["switch-at-8"])
-  finally:
-    del OPTIMIZERS["switching"], SCHEDULERS["switch-at-8"]
+  counts = _check(
+    "switching",
+    None,
+    make_opt=lambda params: _Switching(params, lr=0.08),
+    make_scheds=[lambda o: S.StepLR(o, step_size=8, gamma=0.5)],
+  )
   assert counts["replayed"] >= 16 - 6, counts
+
+
+def test_asgd_state_reloaded_mid_run_trains_like_plain_pytorch():
+  """torch's `load_state_dict` puts ASGD's `eta` and `mu` where the parameter is (on
+  the device); xladist keeps them on the host, where its step reads them (a
+  checkpoint restore mid-run). Before: refused as a host read in the step."""
+  _check("asgd", ["cosine"], reload_at=5)
+
+
+def test_asgd_state_loaded_onto_the_device_before_its_first_step_is_refused_saying_how():
+  strategy = xd.MirroredStrategy()
+  with strategy.scope():
+    model = nn.Linear(D_IN, D_OUT)
+    opt = torch.optim.ASGD(model.parameters(), lr=0.1)
+  x = _split(strategy, torch.randn(N * B, D_IN))
+  strategy.run(lambda x: model(x).sum(), args=(x,))  # places the model
+  plain = torch.optim.ASGD([torch.zeros(D_OUT, D_IN), torch.zeros(D_OUT)], lr=0.1)
+  for p in plain.param_groups[0]["params"]:
+    p.grad = torch.ones_like(p)
+  plain.step()
+  opt.load_state_dict(plain.state_dict())  # eta and mu onto the device
+
+  def step(x):
+    loss = model(x).sum()
+    loss.backward()
+    opt.step()
+    return loss
+
+  with pytest.raises(TypeError, match=r"ASGD's state\[...\]\['eta'\] is on the device.*cpu\(\)"):
+    strategy.run(step, args=(x,))
+  _runtime.sync()
 
 
 @pytest.mark.parametrize("name", ["LBFGS", "SparseAdam", "Adafactor"])

@@ -78,14 +78,32 @@ def _asgd_host_scalars(optimizer):
         state["eta"] = torch.tensor(float(group["lr"]), dtype=dtype)
         state["mu"] = torch.ones((), dtype=dtype)
         state["ax"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-      for key in ("step", "eta", "mu"):
+      for key in _ASGD_HOST:
         v = state.get(key)
         if isinstance(v, torch.Tensor) and _runtime.is_device_tensor(v) and v.dim() == 0:
           raise TypeError(
-            "optimizer.step() in strategy.run: this ASGD keeps state[...]"
-            f"[{key!r}] on the device and its step reads it on the host; make the "
-            "optimizer under strategy.scope() (or load its state after the first step)"
+            f"optimizer.step() in strategy.run: this ASGD's state[...][{key!r}] is on "
+            "the device (torch's load_state_dict puts `eta` and `mu` where the "
+            "parameter is) and its step reads it on the host. Load the state after "
+            "the optimizer's first step in strategy.run (xladist then keeps them on "
+            "the host), or move them yourself: for s in opt.state.values(): "
+            "s['eta'], s['mu'] = s['eta'].cpu(), s['mu'].cpu()"
           )
+  if not getattr(optimizer, "_xladist_asgd_hook", False):
+    optimizer.register_load_state_dict_post_hook(_asgd_state_to_host)
+    optimizer._xladist_asgd_hook = True
+
+
+_ASGD_HOST = ("step", "eta", "mu")
+
+
+def _asgd_state_to_host(optimizer):
+  """After `load_state_dict` (outside a step): ASGD's host scalars back on the host."""
+  for state in optimizer.state.values():
+    for key in _ASGD_HOST:
+      v = state.get(key)
+      if isinstance(v, torch.Tensor) and _runtime.is_device_tensor(v) and v.dim() == 0:
+        state[key] = v.cpu()
 
 
 def place_host_state(optimizer):

@@ -13,22 +13,25 @@ Which program scalar is which hyperparameter is found while the step is traced:
 every float of the tracked optimizers' groups is swapped for a `Hyper` (a float
 that remembers where it came from, and what arithmetic made it: `-lr`,
 `1 - beta2`, `lr * weight_decay`, ...) and swapped back when the trace ends.
-The host step counters of torch's default Adam, AdamW and Adagrad are swapped
-too (`_Counter`: its `item()` is a Hyper), so the bias corrections computed from
-them in Python are inputs as well, and a replay adds to the counters as the
-step would. After the trace the program's scalar constants are matched by
-value to the Hypers torch functions took (hyper_inputs.py `match`; a torch-function mode notes
-them). A scalar that matches no Hyper stays a constant of the program. A match
-can be a coincidence (a constant 0.1 of the model when lr is 0.1): it counts
-as an input only once two captures that agree saw its value follow the
-hyperparameter (`Input.proven`); before that, a replay whose hyperparameter
-value changed is traced instead and confirms or corrects it
-(replay.py).
+The host scalars of the optimizers' state (torch's `step` counters, NAdam's
+`mu_product`, ASGD's `eta` and `mu`) are swapped too (`_HostScalar`: its `item()`
+is a Hyper, its in-place updates extend its expression), so what torch computes
+from them in Python is an input as well, and a replay sets them as the step would.
+Every host decision the trace takes on a Hyper (a comparison, `bool`, `int`,
+`round`, ...) is a guard, checked before each replay (`guards_fail`). After the
+trace the program's scalar constants are matched by value to the Hypers torch
+functions took (hyper_inputs.py `match`; a torch-function mode notes them). A
+scalar that matches no Hyper stays a constant of the program. A match can be a
+coincidence (a constant 0.1 of the model when lr is 0.1): it counts as an input
+only once two captures that agree saw its value follow the hyperparameter
+(`Input.proven`); before that, a replay whose hyperparameter value changed is
+traced instead and confirms or corrects it (replay.py).
 
 What the key keeps of a hyperparameter (signature.py): whether it is 0, 1 or
 another value (optimizers branch on `weight_decay != 0`; torch_xla folds 0 and
 1 into the graph). A value that reaches the program through arithmetic a
-`Hyper` does not follow (`math.sqrt(lr)`, `float(lr)`) is a plain constant: a
+`Hyper` does not follow (`float(lr)`, a `math` function imported by name before
+the trace) is a plain constant: a
 capture that differs from the last in such a constant is not replayed
 (replay.py `_differs`), and verification traces catch the rest.
 """
@@ -238,7 +241,7 @@ def _math_follows_hypers():
 
 def evaluate(expr, groups):
   """The value of `expr` now (`groups`: id -> parameter group or per-parameter
-  state dict). A counter reads its value before the step plus its offset."""
+  state dict). A host scalar (`STATE`) reads its value before the step."""
   kind = expr[0]
   if kind == STATE:
     return float(groups[expr[1]][expr[2]])
@@ -276,7 +279,7 @@ def guards_fail(guards, groups):
 
 
 def describe(expr):
-  """An expression in words: "'lr' < 0.05", "step(state) ** 0.5"."""
+  """An expression in words: "('lr' < 0.05)", "(state['step'] + 1.0)"."""
   kind = expr[0]
   if kind == LEAF:
     return repr(expr[2]) + ("" if expr[3] is None else f"[{expr[3]}]")
@@ -398,7 +401,7 @@ class Swapped:
     value}, None for one whose new value is not an expression of the values
     before the step (an untracked write)."""
     return {
-      place: scalar.expr
+      place: None if scalar.expr is _UNTRACKED else scalar.expr
       for place, scalar in self.scalars.items()
       if scalar.expr != self.carried.get(place, (STATE, *place))
     }

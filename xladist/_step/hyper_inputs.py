@@ -29,9 +29,6 @@ class Input:
     self.proven = False
     self.placed = None  # (value, the runtime's scalar holding it)
 
-  def key(self):
-    return (self.exprs, str(self.dtype))
-
   def names(self):
     """The hyperparameters the input is made of, as "'lr'", "'betas'[0]"."""
     found = []

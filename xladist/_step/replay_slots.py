@@ -175,13 +175,7 @@ def _host_change(store, before, after, updates):
     i, p_index, key = place
     state = states[i][p_index]
     expr = updates.get((id(state), key))
-    if (
-      type(was) is tuple
-      and type(value) is tuple
-      and value[0] == was[0]
-      and expr is not None
-      and expr[0] != "untracked"
-    ):
+    if type(was) is tuple and type(value) is tuple and value[0] == was[0] and expr is not None:
       changed.append((state, key, expr))
       continue
     name = type(optimizers[i]).__name__
