@@ -51,6 +51,7 @@ OPTIMIZERS = {
   "rmsprop-centered": lambda p: torch.optim.RMSprop(p, lr=1e-2, momentum=0.5, centered=True),
   "asgd": lambda p: torch.optim.ASGD(p, lr=1e-2, t0=3),
   "rprop": lambda p: torch.optim.Rprop(p, lr=1e-2),
+  "adafactor": lambda p: torch.optim.Adafactor(p, lr=1e-2, weight_decay=0.05),
 }
 
 
@@ -211,9 +212,9 @@ def test_every_scheduler_with_the_optimizer_trains_like_plain_pytorch(name):
 
 
 # Each scheduler once, each optimizer at least once: one model, one loop, as users run it.
-_ROTATION = [name for name in OPTIMIZERS if name not in ("asgd", "rprop")]
+_ROTATION = [name for name in OPTIMIZERS if name not in ("asgd", "rprop", "adafactor")]
 PAIRS = [(sched, _ROTATION[i % len(_ROTATION)]) for i, sched in enumerate(SCHEDULERS)]
-PAIRS += [("step", "asgd"), ("cosine", "rprop")]
+PAIRS += [("step", "asgd"), ("cosine", "rprop"), ("linear", "adafactor")]
 
 
 @pytest.mark.parametrize("scheduler,name", PAIRS)
@@ -294,7 +295,7 @@ def test_asgd_state_loaded_onto_the_device_before_its_first_step_is_refused_sayi
   _runtime.sync()
 
 
-@pytest.mark.parametrize("name", ["LBFGS", "SparseAdam", "Adafactor"])
+@pytest.mark.parametrize("name", ["LBFGS", "SparseAdam"])
 def test_optimizers_a_step_cannot_run_are_refused_saying_why(name):
   strategy = xd.MirroredStrategy()
   with strategy.scope():
@@ -308,7 +309,7 @@ def test_optimizers_a_step_cannot_run_are_refused_saying_why(name):
     return loss
 
   x = _split(strategy, torch.randn(N * B, D_IN))
-  why = {"LBFGS": "closure", "SparseAdam": "sparse gradients", "Adafactor": r"norm\(2\).item"}
+  why = {"LBFGS": "closure", "SparseAdam": "sparse gradients"}
   with pytest.raises(TypeError, match=f"torch.optim.{name} .*{why[name]}"):
     strategy.run(step, args=(x,))
   _runtime.sync()

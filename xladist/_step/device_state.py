@@ -18,6 +18,7 @@ and checkpoints keep torch's format.
 import torch
 
 from xladist import runtime as _runtime
+from xladist._step import adafactor
 
 # Optimizers a strategy's step cannot run, and why (raised at their first step).
 _REFUSED = {
@@ -26,12 +27,6 @@ _REFUSED = {
     "host from the loss (`.item()` of device values) how often: a strategy's step is "
     "one traced program. Use another optimizer, or run LBFGS outside strategy.run "
     "on a model that is not the strategy's"
-  ),
-  "Adafactor": (
-    "torch.optim.Adafactor reads a device value on the host at every step "
-    "(`param.norm(2).item()`, `update.norm(2).item()` inside its step): a strategy's "
-    "step is one traced program. Use AdamW (or Adam), or a factored optimizer "
-    "written with tensor ops only"
   ),
   "SparseAdam": (
     "torch.optim.SparseAdam needs sparse gradients (nn.Embedding(sparse=True)); "
@@ -51,6 +46,8 @@ def prepare_optimizer(optimizer):
       raise TypeError(f"optimizer.step() in strategy.run: {_REFUSED[name]}.")
   if "ASGD" in torch_classes:
     _asgd_host_scalars(optimizer)
+  if "Adafactor" in torch_classes:
+    _adafactor_in_tensor_ops(optimizer)
   if "Rprop" in torch_classes:
     # Its default path writes through boolean masks (`sign[sign.gt(0)] = etaplus`),
     # whose shapes depend on the values (a host read); its capturable path is the
@@ -58,6 +55,23 @@ def prepare_optimizer(optimizer):
     for group in optimizer.param_groups:
       if group.get("capturable") is False:
         group["capturable"] = True
+
+
+def _adafactor_in_tensor_ops(optimizer):
+  """torch's Adafactor reads two RMS values on the host at every update; xladist
+  runs the same arithmetic in tensor operations (adafactor.py) on the device.
+  Its `foreach` variant makes the same reads: the single-tensor update runs."""
+  if not adafactor.supported():
+    raise TypeError(
+      "optimizer.step() in strategy.run: torch.optim.Adafactor reads a device value on "
+      "the host at every step (`param.norm(2).item()`), and this torch has no "
+      f"`{adafactor._MODULE}.{adafactor._NAME}` for xladist to run in tensor "
+      "operations. Use AdamW (or Adam)"
+    )
+  adafactor.install()
+  for group in optimizer.param_groups:
+    if group.get("foreach"):
+      group["foreach"] = False
 
 
 def _asgd_host_scalars(optimizer):

@@ -38,7 +38,7 @@ from torch.optim import optimizer as torch_optimizer
 from xladist import collectives, context
 from xladist import runtime as _runtime
 from xladist._nest import flatten, tree_map, unflatten
-from xladist._step import hyper, seeds
+from xladist._step import hyper, rng_state, seeds
 from xladist._step.device_state import place_host_state, prepare_optimizer
 from xladist._step.grad_clip import ensure_installed as _ensure_clipping_hook
 from xladist._step.region import HOST_READ_MESSAGE, Region
@@ -76,7 +76,7 @@ class StepEngine:
     self.region = None  # the Region of the step being traced, else None
     self._replayer = None
     self._swapped = None  # the hyper.Swapped of the step being traced
-    seeds.register_device_module()
+    rng_state.register_device_module()
 
   # -- what a strategy declares ----------------------------------------------------------
   def replay_gap(self):

@@ -5,7 +5,7 @@ import torch
 from xladist import context
 from xladist import runtime as _runtime
 from xladist._nest import leaf_name, tree_map_with_path
-from xladist._step import seeds
+from xladist._step import rng_state, seeds
 from xladist._step.engine import single_threaded_autograd
 from xladist.extended import StrategyExtended
 from xladist.replica_context import ReplicaContext
@@ -25,7 +25,7 @@ class SingleReplicaExtended(StrategyExtended):
     # its scope makes (variable_created_in_scope, tower_local_var_scope).
     self._store = VariableStore(self._place_variable if device is not None else lambda tensor: None)
     if device is not None and device.type == _runtime.DEVICE_KIND:
-      seeds.register_device_module()
+      rng_state.register_device_module()
 
   def _place_variable(self, tensor):
     return None if tensor.device == self._device else self._place(tensor)
