@@ -631,6 +631,56 @@ def test_a_read_on_the_chief_after_fetch_gives_the_ps_value(cluster):
   assert float(v.read_value()) == pytest.approx(1.6)
 
 
+def test_run_and_reduce_with_assign_add_reads_the_ps_value_on_the_chief(cluster):
+  """cluster_coordinator_test.py testRunAndReduceWithAssignAdd: v = 1.0 and
+  v1 = 0.0 (aggregation ONLY_FIRST_REPLICA); a function whose replica fn does
+  v1.assign_add(x) and returns (x + v, x - v), reduced with SUM, is scheduled
+  with x = 3.0 inside the scope and again outside it; each fetch gives
+  (4.0, 2.0) (one replica per worker) and afterwards v1 reads 6.0 on the
+  chief, through every read path. Before (issue 41), the chief read 3.0: the
+  function scheduled inside the scope got a copy of v1 (not yet placed on the
+  ps tasks), so its assign_add never reached them. A fetch also refreshes the
+  variables of the other functions finished by then (9.0 below)."""
+  strategy, coordinator = cluster.strategy, cluster.coordinator
+  with strategy.scope():
+    v = xd.Variable(1.0)
+    v1 = xd.Variable(0.0, aggregation=xd.VariableAggregation.ONLY_FIRST_REPLICA)
+    n = strategy.num_replicas_in_sync
+    expected = (4.0 * n, 2.0 * n)
+
+    def worker_fn(x):
+      def replica_fn(x):
+        v1.assign_add(x)
+        return x + v.value, x - v.value
+
+      out = strategy.run(replica_fn, args=(x,))
+      return strategy.reduce("SUM", out, axis=None)
+
+    result = coordinator.schedule(worker_fn, args=(torch.tensor(3.0),))
+    assert tuple(float(r) for r in result.fetch()) == expected
+
+  result = coordinator.schedule(worker_fn, args=(torch.tensor(3.0),))
+  assert tuple(float(r) for r in result.fetch()) == expected
+  assert float(v1.read_value()) == 6.0
+  assert v1.value.item() == 6.0
+  assert v1.value.detach().numpy() == np.float32(6.0)
+  assert torch.as_tensor(v1.value).tolist() == 6.0
+  assert v1().item() == 6.0
+  assert float(strategy.extended.read_var(v1)) == 6.0
+  assert float(v.read_value()) == 1.0
+  coordinator.join()
+  assert float(v1.read_value()) == 6.0
+
+  # Every read after a fetch, not only of the fetched function's variables:
+  # v1 changed by a function that finished before another one is fetched.
+  changed = coordinator.schedule(worker_fn, args=(torch.tensor(3.0),))
+  assert changed._event.wait(TIMEOUT)  # finished on its worker, not fetched
+  assert float(coordinator.schedule(lambda: torch.tensor(0.0)).fetch()) == 0.0
+  assert float(v1.read_value()) == 9.0
+  assert v1.value.detach().numpy() == np.float32(9.0)
+  coordinator.join()
+
+
 def test_create_per_worker_dataset_takes_a_dataset(cluster):
   """cluster_coordinator_test.py testPassDatasetToCreatePerWorkerDataset: a
   dataset (here a DataLoader, and a list of batches) instead of a function;

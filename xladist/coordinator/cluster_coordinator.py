@@ -245,7 +245,7 @@ class _WorkerThread:
         self.failures += 1
         c._queue.put_back(closure)
         continue
-      closure.remote_value._finished = c._count_finished()
+      closure.remote_value._finished = c._count_finished(closure.remote_value._var_ids)
       if result[0] == "ok":
         self.completed += 1
         c._queue.mark_finished(closure, result[1])
@@ -327,11 +327,14 @@ class ClusterCoordinator:
     # rebuilt once each and in creation order.
     self._resource_lock = threading.RLock()
     # Reads on the chief after a fetch (`_refresh_after`): closures are
-    # numbered as they finish; `_pulled[var_id]` is the number of closures
-    # finished before the chief's copy of the variable was last read from the
-    # ps tasks after a fetch, `_synced` the same for every variable (join).
+    # numbered as they finish; `_changed[var_id]` is the number of the last
+    # finished closure that refers to the variable, `_pulled[var_id]` the
+    # number of closures finished before the chief's copy of the variable was
+    # last read from the ps tasks after a fetch, `_synced` the same for every
+    # variable (join).
     self._finished_lock = threading.Lock()
     self._finished = 0
+    self._changed = {}
     self._pulled = {}
     self._synced = 0
     self._workers = [_WorkerThread(self, i, t) for i, t in enumerate(ext._layout.workers)]
@@ -399,9 +402,10 @@ class ClusterCoordinator:
     from the ps tasks, so that reads on the chief (`v.read_value()`,
     `float(v)`, `model(x)`, a checkpoint) give the ps tasks' values, as TF's
     reads of ps variables do. `fetch()` / `get()` of a function's RemoteValue
-    does the same for the variables that function refers to. Otherwise, between
-    `schedule` and `join`, the chief's copies keep the values of the last such
-    read; `strategy.extended.read_var(v)` reads a ps task at any time.
+    does the same for the variables of every function finished by then (that
+    one's included). Otherwise, between `schedule` and `join`, the chief's
+    copies keep the values of the last such read;
+    `strategy.extended.read_var(v)` reads a ps task at any time.
 
     Raises:
       Exception: the first error of a scheduled function since the last
@@ -433,11 +437,13 @@ class ClusterCoordinator:
     return done
 
   # -- reads on the chief ------------------------------------------------------------------
-  def _count_finished(self):
-    """Numbers a closure that has just finished on a worker (its writes are on
-    the ps tasks)."""
+  def _count_finished(self, var_ids):
+    """Numbers a closure that has just finished on a worker (its writes to the
+    variables `var_ids` are on the ps tasks)."""
     with self._finished_lock:
       self._finished += 1
+      for i in var_ids:
+        self._changed[i] = self._finished
       return self._finished
 
   def _refresh_all(self):
@@ -449,27 +455,45 @@ class ClusterCoordinator:
 
   def _refresh_after(self, remote_value):
     """After `fetch()` / `get()` of a function that ran: the chief's copies of
-    the variables it refers to are read from the ps tasks (TF reads a ps
-    variable where it lives), unless read since the function finished. A
-    function that raised refreshes them too, where the ps tasks answer."""
-    finished = remote_value._finished
-    if finished is None or not remote_value._var_ids or self._closed:
-      return
-    with self._finished_lock:
-      now = self._finished
-    ids = [i for i in remote_value._var_ids if max(self._pulled.get(i, 0), self._synced) < finished]
-    if not ids:
+    the variables that it, or any function finished before, refers to are read
+    from the ps tasks (TF reads a ps variable where it lives), unless read
+    since the last function referring to them finished; so every read on the
+    chief after a fetch gives the ps values as of the fetch, as after `join()`.
+    A function that raised refreshes them too, where the ps tasks answer; a
+    ps task that fails fails the fetch only for the function's own variables
+    (the others are read again at the next fetch or join)."""
+    if remote_value._finished is None or self._closed:
       return
     ext = self._strategy.extended
-    tensors = [t for t in (ext._vars.get(i) for i in ids) if t is not None]
+    with self._finished_lock:
+      now = self._finished
+      for i in [i for i in self._changed if i not in ext._vars]:  # variables gone
+        del self._changed[i]
+        self._pulled.pop(i, None)
+      ids = [i for i, n in self._changed.items() if max(self._pulled.get(i, 0), self._synced) < n]
+    if not ids:
+      return
     try:
-      ext.pull(tensors)
-    except _rpc.TaskUnavailableError:
-      if remote_value._error is None:
-        raise
-      return  # the function's own error is what fetch raises
-    for i in ids:
-      self._pulled[i] = max(self._pulled.get(i, 0), now)
+      self._pull(ids, now)
+      return
+    except _rpc.TaskUnavailableError as e:
+      error = e
+    own = [i for i in ids if i in remote_value._var_ids]
+    if len(own) < len(ids):
+      try:
+        self._pull(own, now)
+        return
+      except _rpc.TaskUnavailableError as e:
+        error = e
+    if remote_value._error is None:
+      raise error  # otherwise the function's own error is what fetch raises
+
+  def _pull(self, ids, now):
+    ext = self._strategy.extended
+    ext.pull([t for t in (ext._vars.get(i) for i in ids) if t is not None])
+    with self._finished_lock:
+      for i in ids:
+        self._pulled[i] = max(self._pulled.get(i, 0), now)
 
   def _raise_pending_error(self, what):
     """Raises the first error of a scheduled function, once the functions in

@@ -36,8 +36,9 @@ class RemoteValue:
     """Waits for the value and returns it with tensors as numpy arrays (TF's
     `fetch`). Raises the function's error, or CancelledError.
 
-    Afterwards reads on the chief of the variables the function refers to
-    give their values on the ps tasks (the function's writes included)."""
+    Afterwards reads on the chief of the variables this function, or any
+    function finished before, refers to give their values on the ps tasks
+    (those functions' writes included)."""
     raise NotImplementedError
 
   def get(self):

@@ -314,7 +314,15 @@ class ParameterServerExtended(StrategyExtended):
       self._versions[info_of(t).var_id] = _stamp(t)
 
   def push_chief_writes(self):
-    """Sends the chief's writes to its copies (since the last sync) to the ps tasks."""
+    """Sends the chief's writes to its copies (since the last sync) to the ps tasks.
+
+    Variables made in a scope that is still open are placed and sent first
+    (the scope's exit would do it): TF makes a ps variable on its ps task at
+    once, so a function scheduled inside the scope refers to the ps variable,
+    and a read there gives its value. Before (issue 41), such a function got
+    a copy of the chief's value, and its writes never reached the ps tasks.
+    """
+    self._store.place_pending()
     self.flush()
     changed = [t for t in self.variables() if _stamp(t) != self._versions.get(info_of(t).var_id)]
     if changed:
