@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(XLADIST_VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(if $(TORCH_INDEX_URL),$(PY) -m pip install --quiet "torch==2.9.0" --index-url $(TORCH_INDEX_URL))
-	$(PY) -m pip install --quiet --editable "$(CURDIR)[xla,dev]"
+	$(PY) -m pip install --quiet --editable "$(CURDIR)[xla,dev,ecosystem]" "torchvision==0.24.0"
 	@rm -f $(XLADIST_VENV)/.xladist-*
 	@touch $@
 
@@ -82,7 +82,7 @@ check: venv lint
 # runtime does not need torch_xla); venv-jax-new below holds the newest.
 XLADIST_JAX_VENV ?= $(HOME)/.cache/xladist/venv-jax-torch2.9.0-jax0.10.2-torchax0.0.13-py$(PYVER)
 JAX_PY := $(XLADIST_JAX_VENV)/bin/python
-JAX_REQUIREMENTS := "torch==2.9.0" "jax[cpu]==0.10.2" "torchax==0.0.13"
+JAX_REQUIREMENTS := "torch==2.9.0" "jax[cpu]==0.10.2" "torchax==0.0.13" "torchvision==0.24.0"
 JAX_STAMP := $(XLADIST_JAX_VENV)/.xladist-$(shell (sha1sum pyproject.toml Makefile; echo '$(CURDIR)') | sha1sum | cut -c1-12)
 
 venv-jax: $(JAX_STAMP)
@@ -91,7 +91,7 @@ $(JAX_STAMP): pyproject.toml Makefile
 	@test -x $(JAX_PY) || $(PYTHON) -m venv $(XLADIST_JAX_VENV)
 	$(JAX_PY) -m pip install --quiet --upgrade pip
 	$(JAX_PY) -m pip install --quiet $(JAX_REQUIREMENTS)
-	$(JAX_PY) -m pip install --quiet --editable "$(CURDIR)[jax,dev]"
+	$(JAX_PY) -m pip install --quiet --editable "$(CURDIR)[jax,dev,ecosystem]" $(JAX_REQUIREMENTS)
 	@rm -f $(XLADIST_JAX_VENV)/.xladist-*
 	@touch $@
 
@@ -103,7 +103,7 @@ JAX_NEW_PYTHON ?= $(firstword $(shell command -v python3.12 >/dev/null 2>&1 && p
 	$(wildcard /usr/bin/python3.12 /usr/local/bin/python3.12 $(HOME)/.pyenv/versions/3.12*/bin/python3.12))
 XLADIST_JAX_NEW_VENV ?= $(HOME)/.cache/xladist/venv-jax-torch2.14.1-jax0.12.0.1-torchax0.0.13-py3.12
 JAX_NEW_PY := $(XLADIST_JAX_NEW_VENV)/bin/python
-JAX_NEW_REQUIREMENTS := "torch==2.14.1" "jax[cpu]==0.12.0.1" "torchax==0.0.13"
+JAX_NEW_REQUIREMENTS := "torch==2.14.1" "jax[cpu]==0.12.0.1" "torchax==0.0.13" "torchvision==0.29.1"
 JAX_NEW_STAMP := $(XLADIST_JAX_NEW_VENV)/.xladist-$(shell (sha1sum pyproject.toml Makefile; echo '$(CURDIR)') | sha1sum | cut -c1-12)
 
 venv-jax-new: $(JAX_NEW_STAMP)
@@ -114,14 +114,14 @@ $(JAX_NEW_STAMP): pyproject.toml Makefile
 	@test -x $(JAX_NEW_PY) || $(JAX_NEW_PYTHON) -m venv $(XLADIST_JAX_NEW_VENV)
 	$(JAX_NEW_PY) -m pip install --quiet --upgrade pip
 	$(JAX_NEW_PY) -m pip install --quiet $(JAX_NEW_REQUIREMENTS)
-	$(JAX_NEW_PY) -m pip install --quiet --editable "$(CURDIR)[jax,dev]"
+	$(JAX_NEW_PY) -m pip install --quiet --editable "$(CURDIR)[jax,dev,ecosystem]" $(JAX_NEW_REQUIREMENTS)
 	@rm -f $(XLADIST_JAX_NEW_VENV)/.xladist-*
 	@touch $@
 
 # XLADIST_XLA_PYTHON: the torch_xla environment, for checkpoints read across runtimes.
 # Both jax environments run the same tests: the oldest and the newest versions
 # supported (jax_compat.py, torchax_load.py).
-JAX_TESTS := tests/runtime_jax tests/shared tests/runtime_contract
+JAX_TESTS := tests/runtime_jax tests/shared tests/runtime_contract tests/ecosystem
 JAX_TEST_ENV := XLADIST_BACKEND=jax JAX_PLATFORMS=cpu XLADIST_XLA_PYTHON=$(PY)
 test-jax: venv venv-jax venv-jax-new
 	@$(MAKE) --no-print-directory -j2 --output-sync=target test-jax-old test-jax-new
@@ -130,10 +130,11 @@ test-jax-old: venv venv-jax
 	@$(call TIMED,$(JAX_TEST_ENV) $(JAX_PY) -m pytest -q -p no:cacheprovider $(JAX_TESTS))
 
 # The newest environment leaves out the full optimizer x scheduler matrix (15 models
-# per step, about 75 s there), which torch_xla and the oldest run; its one-loop cases
-# (every optimizer and scheduler) run here too.
+# per step, about 75 s there) and the ecosystem's nine models x two loops (about
+# 300 s), which torch_xla and the oldest run; its one-loop cases (every optimizer and
+# scheduler), the import-order test and the Hugging Face example run here too.
 test-jax-new: venv venv-jax-new
-	@$(call TIMED,$(JAX_TEST_ENV) $(JAX_NEW_PY) -m pytest -q -p no:cacheprovider -m "not full_matrix" $(JAX_TESTS))
+	@$(call TIMED,$(JAX_TEST_ENV) $(JAX_NEW_PY) -m pytest -q -p no:cacheprovider -m "not full_matrix and not ecosystem_matrix" $(JAX_TESTS))
 
 # Style (ruff, settings in pyproject.toml) and the one-way layers of the package
 # (import-linter's contracts in pyproject.toml).

@@ -205,7 +205,7 @@ class CrossDeviceOps:
       reduced = reduce_stacked(reduce_op, flat, None, "strategy.reduce")
       pieces = reduced.split([metas[j].numel() for j in pack])
       for j, piece in zip(pack, pieces):
-        out[packable[j]] = piece.view(metas[j].shape)
+        out[packable[j]] = piece.view(metas[j].shape).clone()  # not a view (collectives._packed)
         done.add(packable[j])
     for i, v in enumerate(values):
       if i not in done:

@@ -91,6 +91,12 @@ Fixes 3, 9 and 10 are lowerings of their own, in torchax_lowerings.py; on torch
 13. `out=` of a torch function (`torch.maximum(a, b, out=a)` in Adam's amsgrad
    and Adamax): torchax's function lowerings take no `out` (TypeError); the
    result is computed without it and copied into `out`.
+14. An op with no tensor operand and no jax device argument that torchax does
+   not lower (torchvision's `torchvision::_cuda_version`, which `import
+   torchvision` runs, also when transformers imports it lazily; a library's
+   custom op registered with `torch.library`) raised `OperatorNotFound` once the
+   runtime enabled torchax for the process: torch's own runs it, as without
+   xladist (outside a step torch is plain torch).
 
 Not here (the runtime's step handles it): the PRNG key, which torchax's
 `jax_jit` bakes in at trace time (the same dropout mask every step): the step
@@ -204,22 +210,28 @@ def _recorded_under_autograd(lowered, name):
   return method
 
 
-def _host_only(txt, args, kwargs):
-  """Whether an op's operands are host tensors or storages, none a torchax
-  tensor or view (fix 7). Ops without tensor operands (factories) are not."""
+def _operands(txt, args, kwargs):
+  """ "jax" when an op has a torchax tensor or view operand or names the jax device,
+  else "host" when it has host tensors or storages, else None (no tensor operand)."""
   import torch.utils._pytree as pytree
   from torchax import view
 
   torch = _torch()
-  host = False
+  host = None
   for a in pytree.tree_leaves((args, kwargs)):
     if isinstance(a, (txt.Tensor, view.View)):
-      return False
+      return "jax"
     if isinstance(a, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage)):
-      host = True
+      host = "host"
     elif isinstance(a, (str, torch.device)) and str(a).split(":")[0] in _JAX_DEVICES:
-      return False  # a move to the jax device (`t.to("jax")`) is torchax's
+      return "jax"  # a move to the jax device (`t.to("jax")`) is torchax's
   return host
+
+
+def _host_only(txt, args, kwargs):
+  """Whether an op's operands are host tensors or storages, none a torchax
+  tensor or view (fix 7). Ops without tensor operands (factories) are not."""
+  return _operands(txt, args, kwargs) == "host"
 
 
 _JAX_DEVICES = ("jax", "privateuseone")
@@ -363,7 +375,16 @@ def install():
     if decomposition is not None:  # fixes 2, 4 and 8: lowered op by op
       with self:
         return decomposition(*args, **kwargs)
-    return lowered_dispatch(self, func, types, args, kwargs)
+    if _operands(txt, args, kwargs) is not None:
+      return lowered_dispatch(self, func, types, args, kwargs)
+    try:
+      return lowered_dispatch(self, func, types, args, kwargs)
+    except txt.OperatorNotFound:
+      # fix 14: an op of no tensor and no jax device that torchax does not lower
+      # (torchvision's `_cuda_version`, run by `import torchvision`; a custom op
+      # of a library): torch's own, as without the jax runtime
+      with torch.utils._python_dispatch._disable_current_modes():
+        return func(*args, **kwargs)
 
   txt.XLAFunctionMode.__torch_function__ = torch_function
   txt.XLADispatchMode.__torch_dispatch__ = torch_dispatch
