@@ -17,7 +17,7 @@ TORCH_INDEX_URL ?=
 RUN := $(PY)
 CPU_ENV := PJRT_DEVICE=CPU CPU_NUM_DEVICES=4
 
-.PHONY: bench-scaling venv venv-jax venv-jax-new test-jax test-jax-old test-jax-new test-xla check demo charlm demo-ps bench-ps test lint bench bench-input bench-collectives bench-logical \
+.PHONY: test-ecosystem test-xla-ecosystem test-jax-ecosystem bench-scaling venv venv-jax venv-jax-new test-jax test-jax-old test-jax-new test-xla check demo charlm demo-ps bench-ps test lint bench bench-input bench-collectives bench-logical \
 	gpu-wheels gpu-check \
 	bench-first-step bench-checkpoint plots clean-venv
 
@@ -62,7 +62,24 @@ test: venv venv-jax venv-jax-new lint
 TIMED = start=$$(date +%s); $(1); rc=$$?; echo "[time] $@: $$(( $$(date +%s) - start )) s (exit $$rc)"; exit $$rc
 
 test-xla: venv
-	@$(call TIMED,$(CPU_ENV) $(RUN) -m pytest -q -p no:cacheprovider tests --ignore=tests/runtime_jax)
+	@$(call TIMED,$(CPU_ENV) $(RUN) -m pytest -q -p no:cacheprovider -m "not ecosystem_matrix" tests --ignore=tests/runtime_jax)
+
+# The ecosystem's nine models x two loops (tests/ecosystem/test_models.py) on
+# torch_xla and on jax 0.10.2, side by side: about 5 minutes more, so not in `make
+# test` (kept at 12 minutes); `.ci/run` runs it after `make test`. `make test` runs
+# the rest of tests/ecosystem (the import order, the Hugging Face example) everywhere.
+# torch_xla's models run in a process of their own: after them in one process, a
+# replayed program of a later test crashed torch_xla (a segmentation fault in
+# `_run_cached_graph`, docs/testing.md).
+test-ecosystem: venv venv-jax
+	@$(MAKE) --no-print-directory -j2 --output-sync=target test-xla-ecosystem test-jax-ecosystem
+
+test-xla-ecosystem: venv
+	@$(call TIMED,$(CPU_ENV) $(RUN) -m pytest -q -p no:cacheprovider -m ecosystem_matrix tests/ecosystem)
+
+test-jax-ecosystem: venv venv-jax
+	@$(call TIMED,$(JAX_TEST_ENV) XLA_FLAGS=--xla_force_host_platform_device_count=4 \
+	  JAX_DEFAULT_MATMUL_PRECISION=highest $(JAX_PY) -m pytest -q -p no:cacheprovider -m ecosystem_matrix tests/ecosystem)
 
 # The inner loop (at most 3 minutes): lint and the tests a change most often
 # breaks (the step engine, replay, variables, the runtime contract) on torch_xla.
@@ -127,12 +144,11 @@ test-jax: venv venv-jax venv-jax-new
 	@$(MAKE) --no-print-directory -j2 --output-sync=target test-jax-old test-jax-new
 
 test-jax-old: venv venv-jax
-	@$(call TIMED,$(JAX_TEST_ENV) $(JAX_PY) -m pytest -q -p no:cacheprovider $(JAX_TESTS))
+	@$(call TIMED,$(JAX_TEST_ENV) $(JAX_PY) -m pytest -q -p no:cacheprovider -m "not ecosystem_matrix" $(JAX_TESTS))
 
 # The newest environment leaves out the full optimizer x scheduler matrix (15 models
-# per step, about 75 s there) and the ecosystem's nine models x two loops (about
-# 300 s), which torch_xla and the oldest run; its one-loop cases (every optimizer and
-# scheduler), the import-order test and the Hugging Face example run here too.
+# per step, about 75 s there), which torch_xla and the oldest run; its one-loop cases
+# (every optimizer and scheduler) run here too.
 test-jax-new: venv venv-jax-new
 	@$(call TIMED,$(JAX_TEST_ENV) $(JAX_NEW_PY) -m pytest -q -p no:cacheprovider -m "not full_matrix and not ecosystem_matrix" $(JAX_TESTS))
 

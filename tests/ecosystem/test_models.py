@@ -19,9 +19,9 @@ float32's, or `FLOOR` where float32 lands closer than that.
 
 TF's counterpart: tensorflow/python/distribute/custom_training_loop_models_test.py
 (KerasModelsTest) trains Keras models under each strategy with a custom loop; here
-the models are the ones PyTorch users train. Run by `make test` on torch_xla and on
-the jax runtime in the oldest jax environment (the newest runs this folder's other
-tests: `-m "not ecosystem_matrix"`, for time), one process per runtime.
+the models are the ones PyTorch users train. Run by `make test-ecosystem` (which
+.ci/run runs after `make test`) on torch_xla and on the jax runtime (jax 0.10.2), one
+process per runtime; `make test` runs this folder's other tests in every environment.
 """
 
 import copy
