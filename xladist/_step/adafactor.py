@@ -35,7 +35,8 @@ def supported():
 
 
 def install():
-  """Replaces torch's single-tensor Adafactor function with `_dispatch` (once)."""
+  """Replaces torch's single-tensor Adafactor function (once) with a dispatcher:
+  `tensor_only_update` for device parameters, torch's own function otherwise."""
   module = __import__(_MODULE, fromlist=[_NAME])
   current = getattr(module, _NAME)
   if getattr(current, "_xladist_original", None) is not None:

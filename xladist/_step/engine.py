@@ -245,8 +245,9 @@ class StepEngine:
   def before_optimizer_step(self, ctx, optimizer):
     """optimizer.step() in a replica context: aggregate the gradients first."""
     store, step = self._ext._store, self.region.step
-    # Refuses LBFGS, SparseAdam, Adafactor (at every traced step, not only the
-    # first); makes ASGD's host scalars, sets Rprop's capturable path.
+    # Refuses LBFGS and SparseAdam (at every traced step, not only the first);
+    # makes ASGD's host scalars, runs Adafactor in tensor ops, sets Rprop's
+    # capturable path.
     prepare_optimizer(optimizer)
     if store.track_optimizer(optimizer):
       place_host_state(optimizer)

@@ -358,7 +358,8 @@ def install():
 
   def torch_dispatch(self, func, types, args=(), kwargs=None):
     kwargs = kwargs or {}
-    if _host_only(txt, args, kwargs):
+    operands = _operands(txt, args, kwargs)  # once per op: this is every op's path
+    if operands == "host":
       # torchax's mode is on for the whole process (the jax runtime enables it
       # globally): ops of host tensors and storages (`copy.deepcopy` of a CPU
       # model clones its storages) are torch's own (fix 7).
@@ -375,7 +376,7 @@ def install():
     if decomposition is not None:  # fixes 2, 4 and 8: lowered op by op
       with self:
         return decomposition(*args, **kwargs)
-    if _operands(txt, args, kwargs) is not None:
+    if operands is not None:
       return lowered_dispatch(self, func, types, args, kwargs)
     try:
       return lowered_dispatch(self, func, types, args, kwargs)
