@@ -63,32 +63,16 @@ def _jax_ms(tensors, steps):
   import jax
   import jax.numpy as jnp
   import optax
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+  from _jax_reference import donated_step, mesh_shardings
 
-  mesh = Mesh(jax.devices()[:4], ("d",))
-  replicated = NamedSharding(mesh, PartitionSpec())
+  replicated, split = mesh_shardings()
   keys = jax.random.split(jax.random.PRNGKey(0), tensors // 2)
   params = [(jax.random.normal(k, (WIDTH, WIDTH)) * WIDTH**-0.5, jnp.zeros((WIDTH,))) for k in keys]
   params = jax.device_put(params, replicated)
   opt = optax.adamw(optax.cosine_decay_schedule(LR, T_MAX), weight_decay=WD)
   state = jax.device_put(opt.init(params), replicated)
-
-  def loss_fn(params, x):
-    h = x
-    for w, b in params:
-      h = jnp.tanh(h @ w.T + b)
-    return jnp.mean(h**2)
-
-  def step(params, state, x):
-    loss, grads = jax.value_and_grad(loss_fn)(params, x)
-    updates, state = opt.update(grads, state, params)
-    return optax.apply_updates(params, updates), state, loss
-
-  step = jax.jit(step, donate_argnums=(0, 1))
-  x = jax.device_put(
-    jax.random.normal(jax.random.PRNGKey(1), (4 * ROWS, WIDTH)),
-    NamedSharding(mesh, PartitionSpec("d")),
-  )
+  step = donated_step(opt)
+  x = jax.device_put(jax.random.normal(jax.random.PRNGKey(1), (4 * ROWS, WIDTH)), split)
   for _ in range(6):
     params, state, loss = step(params, state, x)
   loss.block_until_ready()

@@ -1163,3 +1163,67 @@ def test_random_schedules_replay_equals_retrace_and_plain_pytorch(events):
   # (captured, confirmed, replayed; step 1 makes the momentum buffers).
   settled = sum(1 for i in range(3, len(events)) if events[i - 1] == events[i] == "none")
   assert replays >= settled
+
+
+# -- donation: a replayed step gives up the buffers it overwrites (issue 41) -------------------
+
+
+def test_a_replayed_step_gives_up_the_buffers_it_overwrites(monkeypatch):
+  """The replayed program writes the new parameters and AdamW state into the old
+  ones' buffers (torch_xla's buffer donation): the buffer a parameter held
+  before a replay is gone after it (seen through a tensor of torch_xla's own
+  that shares it, which nothing in the user's reach makes). A `detach()` the
+  user keeps stays readable with its value (the replay gives up a copy), and
+  the run equals re-tracing bit for bit."""
+
+  def run(replay):
+    monkeypatch.setenv("XLADIST_REPLAY", "1" if replay else "0")
+    _reset_seeds()
+    strategy = xd.MirroredStrategy()
+    with strategy.scope():
+      model = _mlp()
+      opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    xs, ys = _data(8)
+
+    def step(x, y):
+      loss = F.cross_entropy(model(x), y)
+      opt.zero_grad()
+      loss.backward()
+      opt.step()
+      return loss
+
+    def run_step(i):
+      strategy.run(step, args=(_split(strategy, xs[i]), _split(strategy, ys[i])))
+      _runtime.wait()
+
+    for i in range(5):
+      run_step(i)
+    checks = {}
+    if replay:
+      rep = _replayer(strategy)
+      assert rep.replays >= 2, list(rep.reasons)
+      (entry,) = [e for e in rep._entries.values() if e.promoted]
+      # 4 parameters and their exp_avg and exp_avg_sq (AdamW's step counters are host tensors)
+      assert len(entry.program.donate) == 12
+      weight = model[0].weight
+      _, (old,) = xla_programs._xlac()._get_tensors_xla_device_data_node([weight])
+      torch.testing.assert_close(old.cpu(), weight.detach().cpu())
+      run_step(5)
+      with pytest.raises(RuntimeError):
+        old.cpu()  # given up to the replay's results
+      kept = weight.detach()  # shares the parameter's storage
+      before = kept.cpu()
+      run_step(6)
+      checks["kept"] = (kept.cpu(), before)
+      assert rep.replays >= 4, list(rep.reasons)
+    else:
+      run_step(5)
+      run_step(6)
+    run_step(7)
+    return _state(model, opt), checks
+
+  got, checks = run(True)
+  want, _ = run(False)
+  _exact(got, want)
+  kept, before = checks["kept"]
+  _exact(kept, before)

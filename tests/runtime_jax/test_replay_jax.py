@@ -167,3 +167,37 @@ def test_run_steps_replays_the_group_as_one_program_and_equals_separate_steps():
   )
   for a, b in zip(model_g.parameters(), model_s.parameters()):
     torch.testing.assert_close(a.detach().cpu(), b.detach().cpu(), atol=1e-6, rtol=1e-6)
+
+
+def test_no_array_of_an_old_step_outlives_it():
+  """Issue 41: the runtime held the last traced step's input and result arrays
+  (for `hlo_text` and the capture) until the next trace, so replayed steps kept
+  a copy of the parameters and optimizer state of that step alive. The capture
+  takes them; what stays is their shapes and placements."""
+  import gc
+  import weakref
+
+  strategy = xd.MirroredStrategy()
+  torch.manual_seed(1)
+  with strategy.scope():
+    model = torch.nn.Linear(6, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+  x = strategy.experimental_distribute_values_from_function(lambda ctx: torch.randn(4, 6))
+
+  def step(x):
+    loss = model(x).square().mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss
+
+  for _ in range(2):
+    strategy.run(step, args=(x,))
+  old = weakref.ref(model.weight._elem)  # an input of step 3, the last traced step
+  for _ in range(4):
+    strategy.run(step, args=(x,))
+  runtime.wait()
+  rep = strategy.extended._engine._replayer
+  assert rep.replays >= 2 and rep.traces == 3, list(rep.reasons)
+  gc.collect()
+  assert old() is None

@@ -465,7 +465,7 @@ class Replayer:
     # far overlapped the previous one.
     _runtime.wait()
     try:
-      results = _runtime.run_program(program, consts, inputs)
+      results = _runtime.run_program(program, consts, inputs, donate=prog.donate)
     except _runtime.PendingInput:
       # An input still has a computation pending: a variable written outside
       # the step (tracing fuses that write into the step's program, so the
@@ -476,7 +476,7 @@ class Replayer:
           "a variable was written outside a step and not synced (the trace fuses the write)"
         )
       _runtime.sync([t for t, p in zip(inputs, pending) if p])
-      results = _runtime.run_program(program, consts, inputs)
+      results = _runtime.run_program(program, consts, inputs, donate=prog.donate)
     self.replays += steps
     seeds.STEP_SEEDS.after_replay(seed, prog.draws)
     _advance(prog)
@@ -492,7 +492,7 @@ class Replayer:
     if isinstance(fresh, _Traced):
       return fresh
     program, consts = prog.runtime_program
-    results = _runtime.run_program(program, consts, inputs)
+    results = _runtime.run_program(program, consts, inputs, donate=prog.donate)
     self.replays += 1
     seeds.STEP_SEEDS.after_replay(seed, prog.draws)
     _advance(prog)

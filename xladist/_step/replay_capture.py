@@ -28,6 +28,7 @@ from xladist._step.replay_program import (
   _ConstView,
   _debug,
   _differs,
+  _donated,
   _NotCapturable,
   _program_record,
   _signed,
@@ -121,6 +122,7 @@ class _Attempt:
       if h in by_handle:
         ambiguous.add(h)
       by_handle.setdefault(h, (ARG, i))
+    self._shared = _shared_slots(values)
     self._slots = slots
     self._by_handle = by_handle
     self._ambiguous = ambiguous
@@ -156,7 +158,7 @@ class _Attempt:
       return result
     if _runtime.REPLAY_KIND != "program":
       # Run the captured step itself: its inputs are the traced graph's device data.
-      results = _runtime.run_program(*prog.runtime_program, values)
+      results = _runtime.run_program(*prog.runtime_program, values, donate=prog.donate)
       result = _write_back(prog, results, rep._n)
     rep.captures += 1
     self._offer(prog)
@@ -291,8 +293,23 @@ class _Attempt:
     prog.runtime_program = (program, None)  # compiled at its first run (none when cached)
     prog.draws = draws
     prog.hypers = hypers
+    prog.donate = _donated(prog, self._shared)
     _host_decisions(prog, self)
     return prog, values
+
+
+def _shared_slots(values):
+  """The "graph" form, whose capture runs the step's program on the buffers the
+  slots hold as the step begins (`values`): the slots whose value shares its
+  storage with another tensor (a `detach()` or `.data` the user keeps), which
+  the captured program must not give up. Work still pending (the user's lazy
+  tensors, which may read those buffers) is computed first."""
+  if _runtime.REPLAY_KIND != "graph":
+    return ()
+  _runtime.sync(boundary=False)
+  _runtime.wait()  # nothing the program gives up is still being read
+  use_count = torch._C._storage_Use_Count
+  return {i for i, v in enumerate(values) if use_count(v.untyped_storage()._cdata) > 1}
 
 
 def _host_decisions(prog, attempt):
@@ -461,4 +478,5 @@ def _program_of_runtime(attempt, result):
   ]
   prog.n_outputs = len(results)
   prog.runtime_program = (program, consts)
+  prog.donate = _donated(prog)  # the runtime checks them at each run
   return prog, None

@@ -24,6 +24,9 @@ from xladist._step import hyper, hyper_inputs
 from xladist._step.replay_slots import (
   _PLAIN,
   COPIES,
+  GRAD,
+  OPT,
+  VAR,
 )
 from xladist.values import Mirrored, PerReplica
 from xladist.variable_store import copies_of
@@ -81,6 +84,7 @@ class _Program:
     "host_vectors",
     "counters",
     "guards",
+    "donate",
   )
 
   def fingerprint(self):
@@ -422,7 +426,37 @@ def _program_record(key, slots, sources, targets, aliases, cleared, ret_spec, re
   prog.host_vectors = None  # jax: the scalar vectors' values, as last fed
   prog.counters = ()  # the host scalars the step updates: (state, key, expression)
   prog.guards = ()  # (expression, value): the host decisions of the trace (hyper.py)
+  prog.donate = ()  # positions of the inputs a run gives up (`_donated`)
   return prog
+
+
+_DONATED_KINDS = (VAR, GRAD, OPT)
+
+
+def _donated(prog, shared=()):
+  """The positions of the program's inputs whose buffers a run may give up
+  (donate) to its results: a variable, gradient or optimizer state the program
+  overwrites, from a result of its own (one that nothing returns and no other
+  slot takes: the user may keep what a step returns, and a buffer shared by two
+  slots would be given up twice). `shared`: slots not to give up (their value
+  was shared with another tensor when the step began)."""
+  result_of, takers = {}, {}
+  pairs = [(t, j) for j, t in enumerate(prog.targets)] + list(prog.aliases)
+  for target, j in pairs:
+    if target[0] in (SLOT, RET):
+      takers[j] = takers.get(j, 0) + 1
+    if target[0] == SLOT:
+      result_of[target[1]] = j
+  out = []
+  for position, source in enumerate(prog.sources):
+    if source[0] != SLOT or source[1] in shared:
+      continue
+    if prog.slots[source[1]].kind not in _DONATED_KINDS:
+      continue
+    j = result_of.get(source[1])
+    if j is not None and takers[j] == 1:
+      out.append(position)
+  return tuple(out)
 
 
 def _torch_dtype(np_dtype):

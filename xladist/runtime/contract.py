@@ -235,10 +235,14 @@ class ProgramReplay(Protocol):
     random seed's parameters. "program": the program the runtime ran,
     its constants, input and result arrays."""
 
-  def run_program(self, program, consts, inputs) -> list:
+  def run_program(self, program, consts, inputs, donate=()) -> list:
     """Runs `program` (from `last_program`) on `inputs`; its results. Raises
     `PendingInput` (an attribute of the runtime) when an input is still being
-    computed."""
+    computed. `donate`: positions of inputs the caller never reads again (state
+    the results replace): the runtime may write the results into their buffers
+    (donation), first copying an input another tensor still shares. "graph": the
+    positions are fixed by the program's first run, which compiles it; a runtime
+    may ignore them (the jax runtime does, for now)."""
 
   def run_program_steps(self, program, consts, plan, fixed, carried, rows):
     """The "program" form: the step's program run len(rows) times as one program

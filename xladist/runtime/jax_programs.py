@@ -8,6 +8,12 @@ steps (_step/replay.py): `last_program`, `run_program` (again, or inside
 another trace), `run_program_steps` (k steps as one `lax.scan`)
 and `with_scalars` (new hyperparameter values). Holds the last program run, its
 outputs (what `wait` waits for) and the callbacks of the next sync.
+
+Memory (issue 41): the last traced step's input and result arrays are held only
+until the capture takes them (`last_program`), so that no old step's buffers
+outlive it. `run_program`'s `donate` is not honoured here yet: a variant of the
+program jitted with `donate_argnums` is a second compilation of every replayed
+program (docs/performance.md, "Memory").
 """
 
 import functools
@@ -102,7 +108,8 @@ def _unpacking_body(jaxpr, layout):
 
 _programs = {}
 _last_outputs = []
-_last_program = [None]
+_last_program = [None]  # (program, packed constants, key, abstract inputs) of the last step
+_last_io = [None]  # its (input arrays, result arrays), until the capture takes them
 _sync_callbacks = []
 
 
@@ -145,6 +152,7 @@ def traced_step(body):
   program = _program_for(jaxpr, st, _const_layout(consts))
   packed = program.pack(consts)
   args = [elem for elem, _ in st.inputs]
+  abstract = [_abstract(a) for a in args]
   outs = program.call(packed, key_before, args)
   _counts["execute"] += 1
   _counts["sync"] += 1
@@ -157,7 +165,8 @@ def traced_step(body):
     ident.target = result_of.get(id(ident.target), ident.target)
   env.param.prng = outs[-1]
   _last_outputs[:] = [outs[-1]]
-  _last_program[0] = (program, packed, key_before, args, list(outs[:-1]))
+  _last_program[0] = (program, packed, key_before, abstract)
+  _last_io[0] = (args, list(outs[:-1]))
   _run_sync_callbacks()
   return result
 
@@ -183,8 +192,16 @@ def last_program(outputs=None):
   the program's packed form, a value `run_program` takes as it is. (`outputs`:
   the runtime ran the step's whole program already; every result is offered.)"""
   del outputs
-  program, consts, _, args, results = _last_program[0]
+  program, consts, _, _ = _last_program[0]
+  args, results = _last_io[0]
+  _last_io[0] = None  # taken: held here, they would keep an old step's buffers alive
   return program, consts, args, results
+
+
+def _abstract(array):
+  """An input's shape, dtype and placement (what lowering the program needs)."""
+  jax = _rt().jax
+  return jax.ShapeDtypeStruct(array.shape, array.dtype, sharding=array.sharding)
 
 
 def with_scalars(consts, vectors):
@@ -331,7 +348,7 @@ def _steps_program(program, plan, fixed, stacked):
   return jax.jit(mapped)
 
 
-def run_program(program, consts, inputs):
+def run_program(program, consts, inputs, donate=()):
   """Runs a step's program again on `inputs` (arrays in the order of its trace's
   inputs); returns its results as tensors, and moves the random key on.
 
@@ -339,11 +356,13 @@ def run_program(program, consts, inputs):
   the program's body is traced into the enclosing program instead: each input
   enters it as a local view, each result leaves it as an output.
   """
+  del donate  # not honoured yet (see the module's docstring)
   rt = _rt()
   env = rt.env
   st = _current()
   inputs = _arrays(inputs)
   if st is None:
+    _last_io[0] = None
     env.param.prng = _placed_key(env.param.prng)
     outs = program.call(consts, env.param.prng, inputs)
     _counts["execute"] += 1

@@ -221,7 +221,7 @@ def hlo_text(tensors):
   last = _last_program[0]
   if last is None:
     return ""
-  program, packed, key, args, _ = last
+  program, packed, key, args = last
   if program.hlo is None:
     lowered = program.jitted.lower(packed[0], packed[1], key, *args)
     program.hlo = lowered.as_text(dialect="hlo")

@@ -6,6 +6,17 @@ computes them (`last_program`: its parameters, the random seed among them, its
 graph hash, compiled now) and runs it again on new parameters (`run_program`),
 with torch_xla's cached-graph bindings (the ones its dynamo bridge uses). A
 parameter is recognised by its device buffer (`buffer_ids`).
+
+Donation (issue 41): the parameters `run_program(..., donate=...)` names at a
+program's first run are compiled as buffer donors (torch_xla's
+`_set_buffer_donation` on their device data, its alias-with-buffer-donor
+setting on while the graph is hashed and compiled): XLA writes the results of
+the same shape into their memory, so a step's new parameters and optimizer
+state take the place of the old ones instead of living beside them. Every run
+of that program then gives those buffers up. What might still read one is
+dealt with first (`_donatable`): pending tensors are computed, and an input
+whose storage another tensor shares (a `detach()` or `.data` the user kept) is
+copied, the copy donated.
 """
 
 import functools
@@ -20,12 +31,13 @@ class GraphProgram:
   positions of its random-seed parameters (`seed_inputs`) and, until its first
   run compiles it, the pending outputs it computes."""
 
-  __slots__ = ("key", "seed_inputs", "uncompiled")
+  __slots__ = ("key", "seed_inputs", "uncompiled", "donate")
 
   def __init__(self, key, seed_inputs, uncompiled):
     self.key = key
     self.seed_inputs = seed_inputs
     self.uncompiled = uncompiled
+    self.donate = ()  # the parameters every run gives up (fixed when compiled)
 
 
 @functools.cache
@@ -66,19 +78,74 @@ def last_program(outputs=None):
   return GraphProgram(key, seeds, outputs), None, list(params), outputs
 
 
-def run_program(program, consts, inputs):
-  """Runs a cut program on `inputs` (its parameters, in order)."""
+def run_program(program, consts, inputs, donate=()):
+  """Runs a cut program on `inputs` (its parameters, in order). `donate`: the
+  positions of inputs whose buffers the caller gives up, honoured at the
+  program's first run (its compilation: at the capture, where the caller has
+  checked them); later runs give up the same positions, after `_donatable`."""
   del consts
   x = _xlac()
+  inputs = list(inputs)
   if program.uncompiled is not None:
-    x._xla_warm_up_cache(program.uncompiled, [])  # the step's own compilation
-    program.uncompiled = None
+    _compile(x, program, inputs, tuple(donate))
+  elif program.donate:
+    inputs = _donatable(x, inputs, program.donate)
   try:
-    return x._run_cached_graph(program.key, list(inputs))
+    return x._run_cached_graph(program.key, inputs)
   except RuntimeError as e:
     if "pending ir" not in str(e):
       raise
     raise PendingInput(str(e)) from None
+
+
+def _compile(x, program, params, donate):
+  """Compiles a cut program (the step's own compilation), its `donate`
+  parameters as buffer donors (the graph hash names them: the donating program
+  is a program of its own)."""
+  if donate:
+    for i in donate:
+      x._set_buffer_donation(params[i], True)
+    saved = x._xla_get_enable_alias_with_buffer_donor_config()
+    x._xla_set_enable_alias_with_buffer_donor_config(True)
+    try:
+      program.key = x._get_graph_hash(program.uncompiled)
+      x._xla_warm_up_cache(program.uncompiled, [])
+    finally:
+      x._xla_set_enable_alias_with_buffer_donor_config(saved)
+    program.donate = donate
+  else:
+    x._xla_warm_up_cache(program.uncompiled, [])
+  program.uncompiled = None
+
+
+@functools.cache
+def _device_name():
+  import torch_xla
+
+  return str(torch_xla.device())
+
+
+def _donatable(x, inputs, donate):
+  """`inputs` made safe to give up at `donate`: a pending tensor could read an
+  old buffer when it is computed, so pending tensors are computed first (the
+  user's lazy work between steps; none in a plain loop); an input whose storage
+  another tensor shares (kept by the user) is replaced by a copy, which is
+  given up instead."""
+  import torch
+
+  if any(x._check_device_tensor_need_materialization(_device_name())):
+    if any(x._check_tensor_need_materialization(inputs)):
+      raise PendingInput("an input has pending ir")  # the caller's to decide (nothing ran)
+    x._xla_sync_live_tensors("", [], wait=True)
+  use_count = torch._C._storage_Use_Count
+  for i in donate:
+    t = inputs[i]
+    if use_count(t.untyped_storage()._cdata) > 1:
+      with torch.no_grad():
+        copy = t.clone()
+      x._xla_sync_multi([copy], devices=[], wait=True)
+      inputs[i] = copy
+  return inputs
 
 
 def run_program_steps(program, consts, plan, fixed, carried, rows):
