@@ -183,14 +183,7 @@ def test_no_array_of_an_old_step_outlives_it():
     model = torch.nn.Linear(6, 3)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
   x = strategy.experimental_distribute_values_from_function(lambda ctx: torch.randn(4, 6))
-
-  def step(x):
-    loss = model(x).square().mean()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss
-
+  step = _square_loss_step(model, opt)
   for _ in range(2):
     strategy.run(step, args=(x,))
   old = weakref.ref(model.weight._elem)  # an input of step 3, the last traced step
@@ -201,3 +194,103 @@ def test_no_array_of_an_old_step_outlives_it():
   assert rep.replays >= 2 and rep.traces == 3, list(rep.reasons)
   gc.collect()
   assert old() is None
+
+
+def test_a_replayed_step_gives_up_the_buffers_it_overwrites(monkeypatch):
+  """Issue 41: the replayed program is compiled at the capture with the
+  parameters, gradients and AdamW state it overwrites donated (`donate_argnums`):
+  the buffer a parameter held before a replay holds one of its results after
+  it (written in place; the old array is deleted). A `detach()`
+  the user keeps (it shares the parameter's array) stays readable with its value
+  (the replay gives up a copy), nothing compiles after the warm-up, and the run
+  equals one without replay bit for bit."""
+
+  def run(replay):
+    monkeypatch.setenv("XLADIST_REPLAY", "1" if replay else "0")
+    strategy = xd.MirroredStrategy()
+    torch.manual_seed(1)
+    with strategy.scope():
+      model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+      opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(16, 6, generator=g) for _ in range(8)]
+    step = _square_loss_step(model, opt)
+
+    def run_step(i):
+      x = strategy.experimental_distribute_values_from_function(
+        lambda ctx: xs[i][ctx.replica_id_in_sync_group * 4 : (ctx.replica_id_in_sync_group + 1) * 4]
+      )
+      loss = strategy.run(step, args=(x,))
+      runtime.wait()
+      return loss
+
+    losses = [run_step(i) for i in range(4)]
+    compiles = runtime.compile_count()
+    kept = None
+    if replay:
+      rep = strategy.extended._engine._replayer
+      assert rep.replays >= 1, list(rep.reasons)
+      (entry,) = [e for e in rep._entries.values() if e.promoted]
+      # 4 parameters and their exp_avg and exp_avg_sq (AdamW's step counters are host tensors)
+      assert len(entry.program.donate) == 12
+      # The weight's buffer (seen by its address: holding its array would keep it)
+      # holds one of the replay's results (the array written in place).
+      old = _buffers([model[0].weight])
+      losses.append(run_step(4))
+      assert old <= _buffers(list(model.parameters()) + _opt_state(opt))
+      kept = model[0].weight.detach()  # shares the parameter's array
+      mine = _buffers([kept])
+      before = kept.cpu().clone()
+      losses.append(run_step(5))
+      assert not kept._elem.is_deleted()  # a copy was given up instead
+      assert not mine & _buffers(list(model.parameters()) + _opt_state(opt))
+      kept = (kept.cpu(), before)
+      assert rep.replays >= 3, list(rep.reasons)
+      assert runtime.compile_count() == compiles
+    else:
+      losses += [run_step(4), run_step(5)]
+    losses.append(run_step(6))
+    losses = [float(strategy.reduce("mean", l, axis=None)) for l in losses]
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    for i, s in enumerate(opt.state.values()):
+      for k, v in s.items():
+        state[f"opt{i}.{k}"] = v.detach().cpu() if isinstance(v, torch.Tensor) else v
+    return losses, state, kept
+
+  losses_r, state_r, kept = run(True)
+  losses_t, state_t, _ = run(False)
+  assert losses_r == losses_t
+  assert state_r.keys() == state_t.keys()
+  for k in state_r:
+    if isinstance(state_r[k], torch.Tensor):
+      torch.testing.assert_close(state_r[k], state_t[k], rtol=0, atol=0, msg=k)
+    else:
+      assert state_r[k] == state_t[k], k
+  torch.testing.assert_close(kept[0], kept[1], rtol=0, atol=0)
+
+
+def _opt_state(opt):
+  return [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+
+
+def _buffers(tensors):
+  """The addresses of the device buffers behind tensors (every replica's)."""
+  return {
+    shard.data.unsafe_buffer_pointer()
+    for t in tensors
+    if hasattr(t, "_elem")  # not AdamW's step counters (host tensors)
+    for shard in t._elem.addressable_shards
+  }
+
+
+def _square_loss_step(model, opt):
+  """A training step on the mean square of the model's output."""
+
+  def step(x):
+    loss = model(x).square().mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss
+
+  return step

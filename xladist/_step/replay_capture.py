@@ -479,4 +479,5 @@ def _program_of_runtime(attempt, result):
   prog.n_outputs = len(results)
   prog.runtime_program = (program, consts)
   prog.donate = _donated(prog)  # the runtime checks them at each run
+  _runtime.prepare_program(program, consts, prog.donate)  # compiled now, not at a replay
   return prog, None

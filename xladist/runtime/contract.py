@@ -205,7 +205,7 @@ class Runtime(Protocol):
 @runtime_checkable
 class ProgramReplay(Protocol):
   """Running a traced step's program again on new inputs (replay.py), without
-  tracing `fn` (6 operations and 2 attributes).
+  tracing `fn` (7 operations and 2 attributes).
 
   Attributes:
     PendingInput: the exception `run_program` raises for an input still being
@@ -235,14 +235,20 @@ class ProgramReplay(Protocol):
     random seed's parameters. "program": the program the runtime ran,
     its constants, input and result arrays."""
 
+  def prepare_program(self, program, consts, donate) -> None:
+    """Compiles now what `run_program(program, consts, inputs, donate)` runs
+    (the capture calls it: no replay compiles). "graph": nothing to do (the
+    capture's first run compiles the program); "program": the variant of the
+    program that gives up the inputs at `donate`."""
+
   def run_program(self, program, consts, inputs, donate=()) -> list:
     """Runs `program` (from `last_program`) on `inputs`; its results. Raises
     `PendingInput` (an attribute of the runtime) when an input is still being
     computed. `donate`: positions of inputs the caller never reads again (state
     the results replace): the runtime may write the results into their buffers
     (donation), first copying an input another tensor still shares. "graph": the
-    positions are fixed by the program's first run, which compiles it; a runtime
-    may ignore them (the jax runtime does, for now)."""
+    positions are fixed by the program's first run, which compiles it;
+    "program": honoured once `prepare_program` compiled them."""
 
   def run_program_steps(self, program, consts, plan, fixed, carried, rows):
     """The "program" form: the step's program run len(rows) times as one program

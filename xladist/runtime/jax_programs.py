@@ -11,12 +11,17 @@ outputs (what `wait` waits for) and the callbacks of the next sync.
 
 Memory (issue 41): the last traced step's input and result arrays are held only
 until the capture takes them (`last_program`), so that no old step's buffers
-outlive it. `run_program`'s `donate` is not honoured here yet: a variant of the
-program jitted with `donate_argnums` is a second compilation of every replayed
-program (docs/performance.md, "Memory").
+outlive it. A replay gives up (donates) the inputs the capture names: the capture
+has the program's donating variant compiled ahead of time (`prepare_program`: the
+program jitted again with `donate_argnums`, lowered on the abstract inputs of the
+step just traced; one more compilation per captured program, none at a replay),
+and `run_program(..., donate=...)` runs it, first copying an input array that
+anything besides its tensor refers to (`_giveable`: torchax's `detach()` shares
+the array). Traced steps do not donate (docs/performance.md, "Memory").
 """
 
 import functools
+import sys
 
 import numpy as np
 
@@ -44,8 +49,10 @@ class _Program:
   program text: one input instead of dozens, each of which costs a transfer
   per device at every run)."""
 
-  def __init__(self, jitted, text_key, jaxpr, in_split, out_split, layout):
+  def __init__(self, jitted, text_key, jaxpr, in_split, out_split, layout, mapped=None):
     self.jitted = jitted
+    self.mapped = mapped  # the function jitted (a donating variant jits it again)
+    self.donating = {}  # donated input positions -> that variant, compiled (`prepare_program`)
     self.text_key = text_key
     self.jaxpr = jaxpr
     self.in_split = in_split
@@ -201,7 +208,8 @@ def last_program(outputs=None):
 def _abstract(array):
   """An input's shape, dtype and placement (what lowering the program needs)."""
   jax = _rt().jax
-  return jax.ShapeDtypeStruct(array.shape, array.dtype, sharding=array.sharding)
+  weak = getattr(array, "weak_type", False)
+  return jax.ShapeDtypeStruct(array.shape, array.dtype, sharding=array.sharding, weak_type=weak)
 
 
 def with_scalars(consts, vectors):
@@ -356,15 +364,17 @@ def run_program(program, consts, inputs, donate=()):
   the program's body is traced into the enclosing program instead: each input
   enters it as a local view, each result leaves it as an output.
   """
-  del donate  # not honoured yet (see the module's docstring)
   rt = _rt()
   env = rt.env
   st = _current()
-  inputs = _arrays(inputs)
+  tensors, inputs = inputs, _arrays(inputs)
   if st is None:
     _last_io[0] = None
     env.param.prng = _placed_key(env.param.prng)
-    outs = program.call(consts, env.param.prng, inputs)
+    outs = _donating_call(program, consts, env.param.prng, tensors, inputs, tuple(donate))
+    del tensors
+    if outs is None:
+      outs = program.call(consts, env.param.prng, inputs)
     _counts["execute"] += 1
     env.param.prng = outs[-1]
     _last_outputs[:] = [outs[-1]]
@@ -383,6 +393,63 @@ def run_program(program, consts, inputs, donate=()):
     st.holders[id(out)] = [out]
     results.append(out)
   return results
+
+
+def prepare_program(program, consts, donate):
+  """Compiles now (at the capture) the variant of `program` that gives up the
+  inputs at the positions `donate` (`jax.jit`'s `donate_argnums`), for
+  `run_program(..., donate=donate)`: no replay compiles. Its inputs are typed
+  and placed as those of the last step traced, which ran `program`; a program
+  that is not that step's is left as it is (its runs give nothing up)."""
+  donate = tuple(donate)
+  last = _last_program[0]
+  if not donate or donate in program.donating or last is None or last[0] is not program:
+    return
+  _, _, key, abstract = last
+  jax = _rt().jax
+  jitted = jax.jit(program.mapped, donate_argnums=tuple(3 + i for i in donate))
+  program.donating[donate] = jitted.lower(consts[0], consts[1], key, *abstract).compile()
+
+
+def _donating_call(program, consts, key, tensors, inputs, donate):
+  """Runs the variant of `program` that gives up the inputs at `donate`
+  (compiled by `prepare_program`) on `inputs` (the arrays of `tensors`), made
+  safe to give up first (`_giveable`); None when there is no such variant. One
+  that refuses the arguments (placed otherwise than at the capture; refused
+  before anything is given up) is dropped: the program runs as it is."""
+  compiled = program.donating.get(donate) if donate else None
+  if compiled is None:
+    return None
+  _giveable(tensors, inputs, donate)
+  try:
+    return compiled(consts[0], consts[1], key, *inputs)
+  except (TypeError, ValueError):
+    program.donating[donate] = None
+    return None
+
+
+def _giveable(tensors, inputs, donate):
+  """`inputs` (the arrays of `tensors`) made safe to give up at `donate`: an
+  array that anything besides its tensor refers to (a `detach()` or `.data` the
+  user kept: torchax tensors share their jax array; the same array at two
+  positions), or that no tensor holds, is replaced by a copy (a transfer, no
+  compilation), which is given up instead."""
+  jax = _rt().jax
+  own = _own_references()
+  for i in donate:
+    if sys.getrefcount(inputs[i]) > own or inputs[i] is tensors[i]:
+      a = inputs[i]
+      inputs[i] = jax.device_put(a, a.sharding, may_alias=False)
+
+
+@functools.cache
+def _own_references():
+  """`sys.getrefcount` of an input array that nothing but its tensor refers to,
+  as `_giveable` reads it (the tensor's, the list's and the call's own
+  reference; measured, not assumed: interpreters count differently)."""
+  tensor = _wrap(_rt().jax.device_put(np.zeros((), np.float32)))
+  inputs = _arrays([tensor])
+  return sys.getrefcount(inputs[0])
 
 
 def _on_devices(consts):
@@ -509,7 +576,7 @@ def _program_for(jaxpr, st, layout):
   in_specs = (P(), P(), P()) + tuple(P(REPLICA_AXIS) if s else P() for s in in_split)
   out_specs = [P(REPLICA_AXIS) if s else P() for s in out_split] + [P()]
   mapped = jax.shard_map(body, mesh=mesh(), in_specs=in_specs, out_specs=out_specs, check_vma=False)
-  program = _Program(jax.jit(mapped), key, closed, in_split, out_split, layout)
+  program = _Program(jax.jit(mapped), key, closed, in_split, out_split, layout, mapped)
   _programs[key] = program
   _programs_by_structure[shape] = program
   return program

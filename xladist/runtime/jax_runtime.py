@@ -90,6 +90,7 @@ from xladist.runtime.jax_programs import (  # noqa: F401  (interface)
   _run_sync_callbacks,
   last_program,
   on_boundary,
+  prepare_program,
   run_program,
   run_program_steps,
   traced_step,

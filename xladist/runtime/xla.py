@@ -757,6 +757,7 @@ _ELSEWHERE = {
   "PendingInput": "xladist.runtime.xla_programs",
   "in_traced_step": "xladist.runtime.xla_programs",
   "last_program": "xladist.runtime.xla_programs",
+  "prepare_program": "xladist.runtime.xla_programs",
   "run_program": "xladist.runtime.xla_programs",
   "run_program_steps": "xladist.runtime.xla_programs",
   "with_scalars": "xladist.runtime.xla_programs",

@@ -78,6 +78,12 @@ def last_program(outputs=None):
   return GraphProgram(key, seeds, outputs), None, list(params), outputs
 
 
+def prepare_program(program, consts, donate):
+  """Nothing to compile ahead: the capture's own run of a cut program compiles
+  it (`run_program`), with its donated parameters."""
+  del program, consts, donate
+
+
 def run_program(program, consts, inputs, donate=()):
   """Runs a cut program on `inputs` (its parameters, in order). `donate`: the
   positions of inputs whose buffers the caller gives up, honoured at the
