@@ -156,6 +156,8 @@ class _Attempt:
       # Left lazy, as without replay: the next `strategy.run` (or a read) runs it.
       self._refused(str(e), e.permanent)
       return result
+    # What the replays run is compiled now, not at a replay (its settings' errors are the user's).
+    _runtime.prepare_program(*prog.runtime_program, prog.donate)
     if _runtime.REPLAY_KIND != "program":
       # Run the captured step itself: its inputs are the traced graph's device data.
       results = _runtime.run_program(*prog.runtime_program, values, donate=prog.donate)
@@ -479,5 +481,4 @@ def _program_of_runtime(attempt, result):
   prog.n_outputs = len(results)
   prog.runtime_program = (program, consts)
   prog.donate = _donated(prog)  # the runtime checks them at each run
-  _runtime.prepare_program(program, consts, prog.donate)  # compiled now, not at a replay
   return prog, None
