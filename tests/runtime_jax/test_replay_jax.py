@@ -271,39 +271,6 @@ def test_a_replayed_step_gives_up_the_buffers_it_overwrites(monkeypatch):
   torch.testing.assert_close(kept[0], kept[1], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("setting", [None, "0", "1e6"])
-def test_a_small_program_gets_no_donating_variant_unless_asked(monkeypatch, setting):
-  """The donating variant is one more compilation per captured program: below
-  16 MiB of donated inputs (`XLADIST_DONATE_MIN_BYTES`) it is not made, and the
-  warm-up compiles one program less. A bad setting names the variable. (Each
-  case has a model of its own shape: programs are cached by their structure.)"""
-  if setting is None:
-    monkeypatch.delenv("XLADIST_DONATE_MIN_BYTES", raising=False)
-  else:
-    monkeypatch.setenv("XLADIST_DONATE_MIN_BYTES", setting)
-  strategy = xd.MirroredStrategy()
-  width = {None: 5, "0": 6, "1e6": 7}[setting]
-  with strategy.scope():
-    model = torch.nn.Linear(9, width)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-  x = strategy.experimental_distribute_values_from_function(lambda ctx: torch.randn(4, 9))
-  step = _square_loss_step(model, opt)
-  if setting == "1e6":
-    with pytest.raises(ValueError, match="XLADIST_DONATE_MIN_BYTES='1e6': expected a whole number"):
-      for _ in range(5):
-        strategy.run(step, args=(x,))
-    return
-  for _ in range(5):
-    strategy.run(step, args=(x,))
-  runtime.wait()
-  rep = strategy.extended._engine._replayer
-  (entry,) = [e for e in rep._entries.values() if e.promoted]
-  assert len(entry.program.donate) == 6  # weight, bias, their exp_avg and exp_avg_sq
-  variants = entry.program.runtime_program[0].donating
-  assert len(variants) == (0 if setting is None else 1)  # compiled at the capture, or not
-  assert rep.replays >= 2, list(rep.reasons)
-
-
 def _opt_state(opt):
   return [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
 

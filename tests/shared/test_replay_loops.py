@@ -163,3 +163,51 @@ def test_without_dropout_the_replayed_loop_equals_plain_pytorch(monkeypatch, nam
   torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
   for k in want_w:
     torch.testing.assert_close(got_w[k], want_w[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+@pytest.mark.parametrize("setting", [None, "0", "1e6"])
+def test_a_program_that_would_give_up_little_donates_nothing(monkeypatch, setting):
+  """Donation (issue 41) costs a replay something on every runtime (jax: one more
+  compilation per captured program, its donating variant; torch_xla: a sync
+  before each capture and a check of every donated input before each replay), so
+  a program whose donated inputs come to less than 16 MiB
+  (`XLADIST_DONATE_MIN_BYTES`, global shapes; 0: always) donates nothing. A bad
+  setting raises at the first capture, naming the variable. (Each case has a model
+  of its own shape: programs are cached by their structure.)"""
+  if setting is None:
+    monkeypatch.delenv("XLADIST_DONATE_MIN_BYTES", raising=False)
+  else:
+    monkeypatch.setenv("XLADIST_DONATE_MIN_BYTES", setting)
+  strategy = xd.MirroredStrategy()
+  width = {None: 5, "0": 6, "1e6": 7}[setting]
+  with strategy.scope():
+    model = nn.Linear(9, width)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+  x = strategy.experimental_distribute_values_from_function(lambda ctx: torch.randn(4, 9))
+
+  def step(x):
+    loss = model(x).square().mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss
+
+  if setting == "1e6":
+    with pytest.raises(ValueError, match=r"XLADIST_DONATE_MIN_BYTES must be an int .*got '1e6'"):
+      for _ in range(3):
+        strategy.run(step, args=(x,))
+    return
+  for _ in range(5):
+    strategy.run(step, args=(x,))
+  _runtime.wait()
+  rep = strategy.extended._engine._replayer
+  assert rep.replays >= 2, list(rep.reasons)
+  (entry,) = [e for e in rep._entries.values() if e.promoted]
+  program = entry.program.runtime_program[0]
+  # weight, bias, their exp_avg and exp_avg_sq (AdamW's step counters are host tensors)
+  want = 6 if setting == "0" else 0
+  assert len(entry.program.donate) == want
+  if _runtime.BACKEND == "jax":
+    assert len(program.donating) == min(want, 1)  # the donating variant, compiled or not
+  else:
+    assert len(program.donate) == want  # the buffer donors it was compiled with

@@ -19,9 +19,9 @@ logger:
 """
 
 import logging
-import os
 import weakref
 
+from xladist import _settings
 from xladist import runtime as _runtime
 from xladist._step import signature as signatures
 
@@ -53,22 +53,12 @@ _BETWEEN = (
 
 
 def _explain_always():
-  return os.environ.get("XLADIST_EXPLAIN_COMPILES", "").strip().lower() not in (
-    "",
-    "0",
-    "false",
-    "off",
-  )
+  return _settings.switch("XLADIST_EXPLAIN_COMPILES", False)
 
 
 def _warn_after():
-  text = os.environ.get("XLADIST_RECOMPILE_WARN_AFTER", "3")
-  try:
-    return max(0, int(text))
-  except ValueError:
-    raise ValueError(
-      f"XLADIST_RECOMPILE_WARN_AFTER must be an int (steps in a row), got {text!r}."
-    ) from None
+  k, _ = _settings.whole_number("XLADIST_RECOMPILE_WARN_AFTER", 3, "steps in a row")
+  return max(0, k)
 
 
 class CompileWatch:

@@ -89,10 +89,10 @@ stale: it is logged and warned about (raised as a RuntimeError when
 """
 
 import collections
-import os
 
 import torch
 
+from xladist import _settings
 from xladist import runtime as _runtime
 from xladist._nest import flatten
 from xladist._step import hyper, seeds
@@ -122,15 +122,10 @@ from xladist._step.replay_slots import (
   _store_refs,
 )
 
-_OFF = ("0", "off", "false", "no")
 DEFAULT_VERIFY_EVERY = 100
 _MAX_KEYS = 16  # keys (programs) kept per strategy, least recently used dropped
 _FRESH_LIMIT = 3  # steps in a row with a new key after which they are not captured
 _GUARD_LIMIT = 4  # replays in a row refused by a guard after which a key is traced
-
-
-def _env_off(name):
-  return os.environ.get(name, "").strip().lower() in _OFF
 
 
 class _Placed:
@@ -150,23 +145,18 @@ def enabled(options):
   choice = getattr(options, "experimental_replay", None) if options is not None else None
   if choice is not None:
     return bool(choice)
-  return os.environ.get("XLADIST_REPLAY", "").strip().lower() not in _OFF
+  return _settings.switch("XLADIST_REPLAY", True)
 
 
 def verify_every():
   """(K, strict): every K-th step of a replayed key is traced and compared (0:
   never); strict when XLADIST_REPLAY_VERIFY is set (a stale replay raises)."""
-  text = os.environ.get("XLADIST_REPLAY_VERIFY", "").strip()
-  if not text:
-    return DEFAULT_VERIFY_EVERY, False
-  try:
-    k = int(text)
-  except ValueError:
-    raise ValueError(
-      f"XLADIST_REPLAY_VERIFY must be an int (verify every that many steps; 1: every "
-      f"step, 0: never), got {text!r}."
-    ) from None
-  return max(0, k), True
+  k, given = _settings.whole_number(
+    "XLADIST_REPLAY_VERIFY",
+    DEFAULT_VERIFY_EVERY,
+    "verify every that many steps; 1: every step, 0: never",
+  )
+  return max(0, k), given
 
 
 # -- the replayer -------------------------------------------------------------------------------

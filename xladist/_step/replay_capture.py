@@ -15,6 +15,7 @@ from xladist import runtime as _runtime
 from xladist._nest import flatten, unflatten
 from xladist._step import hyper, hyper_inputs, seeds
 from xladist._step.replay_program import (
+  _DONATED_KINDS,
   _PLAIN,
   ARG,
   CONST,
@@ -29,12 +30,14 @@ from xladist._step.replay_program import (
   _debug,
   _differs,
   _donated,
+  _nbytes,
   _NotCapturable,
   _program_record,
   _signed,
   _torch_dtype,
   _weak,
   _write_back,
+  donate_min_bytes,
   logger,
 )
 from xladist._step.replay_slots import (
@@ -122,7 +125,8 @@ class _Attempt:
       if h in by_handle:
         ambiguous.add(h)
       by_handle.setdefault(h, (ARG, i))
-    self._shared = _shared_slots(values)
+    self._donate_floor = donate_min_bytes()  # read here: a bad setting is the user's error
+    self._shared = _shared_slots(slots, values, self._donate_floor)
     self._slots = slots
     self._by_handle = by_handle
     self._ambiguous = ambiguous
@@ -295,23 +299,26 @@ class _Attempt:
     prog.runtime_program = (program, None)  # compiled at its first run (none when cached)
     prog.draws = draws
     prog.hypers = hypers
-    prog.donate = _donated(prog, self._shared)
+    prog.donate = _donated(prog, self._shared, self._donate_floor)
     _host_decisions(prog, self)
     return prog, values
 
 
-def _shared_slots(values):
+def _shared_slots(slots, values, min_bytes):
   """The "graph" form, whose capture runs the step's program on the buffers the
   slots hold as the step begins (`values`): the slots whose value shares its
   storage with another tensor (a `detach()` or `.data` the user keeps), which
   the captured program must not give up. Work still pending (the user's lazy
-  tensors, which may read those buffers) is computed first."""
+  tensors, which may read those buffers) is computed first. None when the
+  program will give up nothing (the slots it could are under `min_bytes`)."""
   if _runtime.REPLAY_KIND != "graph":
     return ()
+  size = sum(_nbytes(v) for s, v in zip(slots, values) if s.kind in _DONATED_KINDS)
+  if not size or size < min_bytes:
+    return None
   _runtime.sync(boundary=False)
   _runtime.wait()  # nothing the program gives up is still being read
-  use_count = torch._C._storage_Use_Count
-  return {i for i, v in enumerate(values) if use_count(v.untyped_storage()._cdata) > 1}
+  return {i for i, v in enumerate(values) if _runtime.shares_storage(v)}
 
 
 def _host_decisions(prog, attempt):
@@ -480,5 +487,5 @@ def _program_of_runtime(attempt, result):
   ]
   prog.n_outputs = len(results)
   prog.runtime_program = (program, consts)
-  prog.donate = _donated(prog)  # the runtime checks them at each run
+  prog.donate = _donated(prog, (), attempt._donate_floor)  # checked by the runtime at each run
   return prog, None

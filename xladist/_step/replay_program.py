@@ -12,12 +12,12 @@ program (the "program" form's scan).
 """
 
 import logging
-import os
 import weakref
 
 import numpy as np
 import torch
 
+from xladist import _settings
 from xladist import runtime as _runtime
 from xladist._nest import unflatten
 from xladist._step import hyper, hyper_inputs
@@ -32,12 +32,10 @@ from xladist.values import Mirrored, PerReplica
 from xladist.variable_store import copies_of
 
 logger = logging.getLogger("xladist")
-_OFF = ("0", "off", "false", "no")
 
 
 def _debug():
-  text = os.environ.get("XLADIST_REPLAY_DEBUG", "").strip().lower()
-  return text not in ("",) + _OFF
+  return _settings.switch("XLADIST_REPLAY_DEBUG", False)
 
 
 # -- torch_xla's random-number seed -------------------------------------------------------
@@ -431,15 +429,35 @@ def _program_record(key, slots, sources, targets, aliases, cleared, ret_spec, re
 
 
 _DONATED_KINDS = (VAR, GRAD, OPT)
+DONATE_MIN_BYTES = 16 << 20
 
 
-def _donated(prog, shared=()):
+def donate_min_bytes():
+  """The least a replay must give up for its program to donate anything:
+  `XLADIST_DONATE_MIN_BYTES` (bytes of the donated inputs' global shapes; 0:
+  always), else 16 MiB. Below it donating costs more than the memory it saves:
+  on jax one more compilation per captured program, on torch_xla a sync before
+  each capture and a check of every donated input before each replay."""
+  n, _ = _settings.whole_number(
+    "XLADIST_DONATE_MIN_BYTES", DONATE_MIN_BYTES, "bytes a replay must give up to donate; 0: always"
+  )
+  return n
+
+
+def _nbytes(tensor):
+  return tensor.numel() * tensor.element_size()
+
+
+def _donated(prog, shared, min_bytes):
   """The positions of the program's inputs whose buffers a run may give up
   (donate) to its results: a variable, gradient or optimizer state the program
   overwrites, from a result of its own (one that nothing returns and no other
   slot takes: the user may keep what a step returns, and a buffer shared by two
-  slots would be given up twice). `shared`: slots not to give up (their value
-  was shared with another tensor when the step began)."""
+  slots would be given up twice); none when together they come to less than
+  `min_bytes` (`donate_min_bytes`). `shared`: slots not to give up (their value
+  was shared with another tensor when the step began), None: give up nothing."""
+  if shared is None:
+    return ()
   result_of, takers = {}, {}
   pairs = [(t, j) for j, t in enumerate(prog.targets)] + list(prog.aliases)
   for target, j in pairs:
@@ -447,16 +465,18 @@ def _donated(prog, shared=()):
       takers[j] = takers.get(j, 0) + 1
     if target[0] == SLOT:
       result_of[target[1]] = j
-  out = []
+  out, size = [], 0
   for position, source in enumerate(prog.sources):
     if source[0] != SLOT or source[1] in shared:
       continue
-    if prog.slots[source[1]].kind not in _DONATED_KINDS:
+    slot = prog.slots[source[1]]
+    if slot.kind not in _DONATED_KINDS:
       continue
     j = result_of.get(source[1])
     if j is not None and takers[j] == 1:
       out.append(position)
-  return tuple(out)
+      size += _nbytes(slot.get(settle=False))
+  return tuple(out) if size >= min_bytes else ()
 
 
 def _torch_dtype(np_dtype):

@@ -20,7 +20,7 @@ xladist is imported:
   default where torch_xla is not installed) selects it.
 
 Any other value is refused when a strategy starts the runtime. Besides the
-contract, `call_with_timeout` and `user_frame` (runtime/host.py) are the same
+contract, `call_with_timeout`, `user_frame` and `shares_storage` (runtime/host.py) are the same
 on every runtime, and `backend` is the selected runtime module itself (for
 tests that read one runtime's own rules). docs/architecture.md ("The runtime layer and its
 contract") maps each operation to torch_xla, jax and TorchTPU.
@@ -30,7 +30,7 @@ import importlib.util
 import os
 
 from xladist.runtime import contract as _contract
-from xladist.runtime.host import call_with_timeout, user_frame  # noqa: F401
+from xladist.runtime.host import call_with_timeout, shares_storage, user_frame  # noqa: F401
 
 BACKENDS = ("torch_xla", "jax")
 

@@ -59,3 +59,11 @@ def call_with_timeout(fn, timeout_seconds, message):
   if not ok:
     raise value
   return value
+
+
+def shares_storage(tensor):
+  """Whether another tensor shares `tensor`'s storage (a `detach()`, `.data` or a
+  view someone keeps): its buffer must not be given up to a program's results."""
+  import torch
+
+  return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) > 1

@@ -17,19 +17,19 @@ program jitted again with `donate_argnums`, lowered on the abstract inputs of th
 step just traced; one more compilation per captured program, none at a replay),
 and `run_program(..., donate=...)` runs it, first copying an input array that
 anything besides its tensor refers to (`_giveable`: torchax's `detach()` shares
-the array). A program whose donated inputs come to less than 16 MiB
-(`XLADIST_DONATE_MIN_BYTES`) is not given a donating variant: the compilation
-would cost more than the memory. Traced steps do not donate (docs/performance.md,
-"Memory").
+the array). The capture names no input of a program that would give up less
+than 16 MiB (`replay_program.donate_min_bytes`, `XLADIST_DONATE_MIN_BYTES`): it
+gets no variant, whose compilation would cost more than the memory. Traced
+steps do not donate (docs/performance.md, "Memory").
 """
 
 import functools
 import logging
-import os
 import sys
 
 import numpy as np
 
+from xladist import _settings
 from xladist.runtime import jax_compat
 from xladist.runtime.jax_devices import (
   REPLICA_AXIS,
@@ -411,8 +411,6 @@ def prepare_program(program, consts, donate):
   if not donate or donate in program.donating or last is None or last[0] is not program:
     return
   _, _, key, abstract = last
-  if sum(abstract[i].size * abstract[i].dtype.itemsize for i in donate) < _donate_min_bytes():
-    return  # a compilation costs more than these buffers are worth
   jax = _rt().jax
   jitted = jax.jit(program.mapped, donate_argnums=tuple(3 + i for i in donate))
   try:
@@ -428,25 +426,6 @@ def prepare_program(program, consts, donate):
   program.donating[donate] = compiled
 
 
-DONATE_MIN_BYTES = 16 << 20
-
-
-def _donate_min_bytes():
-  """The least a replay must give up for its donating variant to be compiled:
-  `XLADIST_DONATE_MIN_BYTES` (bytes of the donated inputs' global shapes), else
-  16 MiB. Below it the one more compilation per captured program costs more than
-  the memory it saves (a small model: its replays give nothing up)."""
-  text = os.environ.get("XLADIST_DONATE_MIN_BYTES", "").strip()
-  if not text:
-    return DONATE_MIN_BYTES
-  try:
-    return int(text)
-  except ValueError:
-    raise ValueError(
-      f"XLADIST_DONATE_MIN_BYTES={text!r}: expected a whole number of bytes (0 donates always)"
-    ) from None
-
-
 def _donating_call(program, consts, key, tensors, inputs, donate):
   """Runs the variant of `program` that gives up the inputs at `donate`
   (compiled by `prepare_program`) on `inputs` (the arrays of `tensors`), made
@@ -459,8 +438,15 @@ def _donating_call(program, consts, key, tensors, inputs, donate):
   _giveable(tensors, inputs, donate)
   try:
     return compiled(consts[0], consts[1], key, *inputs)
-  except (TypeError, ValueError):
+  except (TypeError, ValueError) as e:
     program.donating[donate] = None
+    if _settings.switch("XLADIST_REPLAY_DEBUG", False):
+      logging.getLogger("xladist").warning(
+        "xladist replay: the step's donating program refused its inputs (%s: %s); "
+        "its replays give nothing up from now on",
+        type(e).__name__,
+        e,
+      )
     return None
 
 

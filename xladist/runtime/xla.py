@@ -758,7 +758,6 @@ _ELSEWHERE = {
   "in_traced_step": "xladist.runtime.xla_programs",
   "last_program": "xladist.runtime.xla_programs",
   "prepare_program": "xladist.runtime.xla_programs",
-  "run_program": "xladist.runtime.xla_programs",
   "run_program_steps": "xladist.runtime.xla_programs",
   "with_scalars": "xladist.runtime.xla_programs",
 }
@@ -778,6 +777,14 @@ def buffer_ids(tensors):
   from xladist.runtime import xla_programs
 
   return xla_programs.buffer_ids(tensors, wait)
+
+
+def run_program(program, consts, inputs, donate=()):
+  """xla_programs.run_program on this runtime's device (whose pending work a
+  donating run computes first)."""
+  from xladist.runtime import xla_programs
+
+  return xla_programs.run_program(program, consts, inputs, donate, str(device()))
 
 
 def foreign_idioms(handlers):

@@ -21,6 +21,8 @@ copied, the copy donated.
 
 import functools
 
+from xladist.runtime.host import shares_storage
+
 
 class PendingInput(RuntimeError):
   """`run_program`: an input still has a computation pending (nothing ran)."""
@@ -84,18 +86,19 @@ def prepare_program(program, consts, donate):
   del program, consts, donate
 
 
-def run_program(program, consts, inputs, donate=()):
+def run_program(program, consts, inputs, donate, device):
   """Runs a cut program on `inputs` (its parameters, in order). `donate`: the
   positions of inputs whose buffers the caller gives up, honoured at the
   program's first run (its compilation: at the capture, where the caller has
-  checked them); later runs give up the same positions, after `_donatable`."""
+  checked them); later runs give up the same positions, after `_donatable`
+  (`device`: the device whose pending work is computed first)."""
   del consts
   x = _xlac()
   inputs = list(inputs)
   if program.uncompiled is not None:
     _compile(x, program, inputs, tuple(donate))
   elif program.donate:
-    inputs = _donatable(x, inputs, program.donate)
+    inputs = _donatable(x, inputs, program.donate, device)
   try:
     return x._run_cached_graph(program.key, inputs)
   except RuntimeError as e:
@@ -124,14 +127,7 @@ def _compile(x, program, params, donate):
   program.uncompiled = None
 
 
-@functools.cache
-def _device_name():
-  import torch_xla
-
-  return str(torch_xla.device())
-
-
-def _donatable(x, inputs, donate):
+def _donatable(x, inputs, donate, device):
   """`inputs` made safe to give up at `donate`: a pending tensor could read an
   old buffer when it is computed, so pending tensors are computed first (the
   user's lazy work between steps; none in a plain loop); an input whose storage
@@ -139,14 +135,13 @@ def _donatable(x, inputs, donate):
   given up instead."""
   import torch
 
-  if any(x._check_device_tensor_need_materialization(_device_name())):
+  if any(x._check_device_tensor_need_materialization(device)):
     if any(x._check_tensor_need_materialization(inputs)):
       raise PendingInput("an input has pending ir")  # the caller's to decide (nothing ran)
     x._xla_sync_live_tensors("", [], wait=True)
-  use_count = torch._C._storage_Use_Count
   for i in donate:
     t = inputs[i]
-    if use_count(t.untyped_storage()._cdata) > 1:
+    if shares_storage(t):
       with torch.no_grad():
         copy = t.clone()
       x._xla_sync_multi([copy], devices=[], wait=True)
