@@ -439,26 +439,22 @@ class Replayer:
 
   # -- replaying ---------------------------------------------------------------------------------
   def _replay(self, entry, leaves, seed, steps=1):
+    """Runs the entry's program on the current inputs (one step, or a group's
+    `steps`) and writes its results back; a `_Traced` when it may not."""
     prog = entry.program
-    if _runtime.REPLAY_KIND == "program":
-      return self._replay_program(prog, leaves, seed)
     n = self._n
     inputs = _inputs(prog, leaves, n, seed)
     if isinstance(inputs, _Traced):
       return inputs
+    fresh = _fresh_scalars(prog)
+    if isinstance(fresh, _Traced):
+      return fresh
     program, consts = prog.runtime_program
-    # One execution in flight, as torch_xla keeps it for traced programs (each
-    # holds the device until it ends). `_run_cached_graph` does not: replays
-    # launched back to back queued up, and on XLA:CPU a queue of programs with
-    # all-reduces aborted the process ("Expected 4 threads to join the
-    # rendezvous, but only 3 of them arrived"). The host work of this step so
-    # far overlapped the previous one.
-    _runtime.wait()
     try:
       results = _runtime.run_program(program, consts, inputs, donate=prog.donate)
     except _runtime.PendingInput:
-      # An input still has a computation pending: a variable written outside
-      # the step (tracing fuses that write into the step's program, so the
+      # An input still has a computation pending (torch_xla): a variable written
+      # outside the step (tracing fuses that write into the step's program, so the
       # step is traced), or an argument computed lazily (computed first).
       pending = [b is None for b in _runtime.buffer_ids(inputs)]
       if any(p for p, s in zip(pending, prog.sources) if s[0] != ARG):
@@ -468,22 +464,6 @@ class Replayer:
       _runtime.sync([t for t, p in zip(inputs, pending) if p])
       results = _runtime.run_program(program, consts, inputs, donate=prog.donate)
     self.replays += steps
-    seeds.STEP_SEEDS.after_replay(seed, prog.draws)
-    _advance(prog)
-    return _write_back(prog, results, n)
-
-  def _replay_program(self, prog, leaves, seed):
-    """`_replay` on a runtime that runs a step's program itself (jax)."""
-    n = self._n
-    inputs = _inputs(prog, leaves, n, seed)
-    if isinstance(inputs, _Traced):
-      return inputs
-    fresh = _fresh_scalars(prog)
-    if isinstance(fresh, _Traced):
-      return fresh
-    program, consts = prog.runtime_program
-    results = _runtime.run_program(program, consts, inputs, donate=prog.donate)
-    self.replays += 1
     seeds.STEP_SEEDS.after_replay(seed, prog.draws)
     _advance(prog)
     return _write_back(prog, results, n)

@@ -781,9 +781,17 @@ def buffer_ids(tensors):
 
 def run_program(program, consts, inputs, donate=()):
   """xla_programs.run_program on this runtime's device (whose pending work a
-  donating run computes first)."""
+  donating run computes first), once the executions in flight have ended.
+
+  One execution in flight, as torch_xla keeps it for traced programs (each holds
+  the device until it ends). `_run_cached_graph` does not: replays launched back
+  to back queued up, and on XLA:CPU a queue of programs with all-reduces aborted
+  the process ("Expected 4 threads to join the rendezvous, but only 3 of them
+  arrived"). The caller's host work before this call overlapped the previous
+  program."""
   from xladist.runtime import xla_programs
 
+  wait()
   return xla_programs.run_program(program, consts, inputs, donate, str(device()))
 
 
