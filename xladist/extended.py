@@ -330,8 +330,8 @@ class StrategyExtended(abc.ABC):
 
     With replay (on by default): the first step runs as any step; when it was
     replayed, the other k - 1 are replayed as one program (`Replayer.
-    replay_steps`: on torch_xla the k - 1 steps' own traced program, captured
-    like a step; on jax a scan of the step's program), so a call is two
+    replay_steps`: the k - 1 steps traced as one program, captured like a
+    step; on every runtime), so a call is two
     executions and traces nothing.
 
     Returns:

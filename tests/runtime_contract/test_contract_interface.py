@@ -19,7 +19,15 @@ from xladist.runtime import contract
 
 # What the facade binds besides the contract (its docstring): the runtime's
 # choice, and the host helpers that are the same on every runtime.
-FACADE_EXTRAS = {"BACKEND", "BACKENDS", "INTERFACE", "backend", "call_with_timeout", "user_frame"}
+FACADE_EXTRAS = {
+  "BACKEND",
+  "BACKENDS",
+  "INTERFACE",
+  "backend",
+  "call_with_timeout",
+  "user_frame",
+  "shares_storage",
+}
 
 
 def test_the_runtime_module_has_every_operation_of_the_contract():

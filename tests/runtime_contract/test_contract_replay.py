@@ -120,11 +120,9 @@ def test_program_last_program_runs_again(host):
 
 
 @GRAPH
-def test_graph_runtimes_refuse_the_program_forms_operations():
-  """ProgramReplay.run_program_steps / with_scalars are the "program" form's: a
-  "graph" runtime refuses them with NotImplementedError."""
-  with pytest.raises(NotImplementedError):
-    runtime.run_program_steps(None, None, None, [], [], [])
+def test_graph_runtimes_refuse_the_program_forms_operation():
+  """ProgramReplay.with_scalars is the "program" form's: a "graph" runtime
+  refuses it with NotImplementedError."""
   with pytest.raises(NotImplementedError):
     runtime.with_scalars(None, [])
 
@@ -181,9 +179,9 @@ def test_replayed_steps_equal_plain_torch(strategy):
 
 
 def test_run_steps_equal_separate_steps(strategy, local_results):
-  """ProgramReplay through `experimental_run_steps` (the "program" form's
-  `run_program_steps`; a "graph" runtime replays the group its own way): k
-  steps at once give what k runs give."""
+  """ProgramReplay through `experimental_run_steps` (after a replayed step the
+  other k - 1 are traced as one program, captured and replayed like a step, on
+  every runtime): k steps at once give what k runs give."""
   with strategy.scope():
     total = xd.Variable(torch.zeros(2), name="contract_total")
 

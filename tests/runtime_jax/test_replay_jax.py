@@ -115,10 +115,17 @@ def test_a_new_python_value_that_fn_reads_traces_again():
   assert any("scale" in why for why in reasons), reasons
 
 
-def test_run_steps_replays_the_group_as_one_program_and_equals_separate_steps():
+@pytest.mark.parametrize("optimizer", ["sgd-momentum", "adamw-cosine"])
+def test_run_steps_replays_the_group_as_one_program_and_equals_separate_steps(optimizer):
   """`experimental_run_steps(k)`: once its first step is replayed, the other
-  k - 1 steps are ONE program (a scan of the step's program); the results are
-  those of k runs."""
+  k - 1 steps are traced as ONE program, captured twice and then replayed like a
+  step (as on torch_xla: tests/test_run_steps.py); a call is then two executions
+  and traces nothing, and the results are those of k runs. With torch's default
+  AdamW (host step counters, read in Python by its bias corrections) and a
+  schedule stepped between calls, the group replays too: its steps' counters are
+  one chain of expressions (before, the jax runtime scanned the step's program,
+  which feeds every step the same scalars, and such a group was traced at every
+  call)."""
   grouped = xd.MirroredStrategy()
   separate = xd.MirroredStrategy()
 
@@ -126,10 +133,15 @@ def test_run_steps_replays_the_group_as_one_program_and_equals_separate_steps():
     torch.manual_seed(3)
     with strategy.scope():
       model = torch.nn.Linear(5, 2)
-      opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+      if optimizer == "sgd-momentum":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        sched = None
+      else:
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=30)
     g = torch.Generator().manual_seed(4)
     data = torch.utils.data.TensorDataset(
-      torch.randn(96, 5, generator=g), torch.randn(96, 2, generator=g)
+      torch.randn(160, 5, generator=g), torch.randn(160, 2, generator=g)
     )
     it = iter(
       strategy.experimental_distribute_dataset(torch.utils.data.DataLoader(data, batch_size=8))
@@ -142,23 +154,34 @@ def test_run_steps_replays_the_group_as_one_program_and_equals_separate_steps():
       opt.step()
       return loss
 
-    return model, it, step
+    return model, opt, sched, it, step
 
-  model_g, it_g, step_g = setup(grouped)
-  model_s, it_s, step_s = setup(separate)
-  for _ in range(4):  # warm-up: traces, capture, first groups compiled
-    grouped.extended.experimental_run_steps(step_g, it_g, 1)
-  grouped.extended.experimental_run_steps(step_g, it_g, 4)
+  model_g, opt_g, sched_g, it_g, step_g = setup(grouped)
+  model_s, opt_s, sched_s, it_s, step_s = setup(separate)
+
+  def call(k):
+    out = grouped.extended.experimental_run_steps(step_g, it_g, k)
+    if sched_g is not None:
+      sched_g.step()
+    return out
+
+  for _ in range(4):  # warm-up: the step traced 3 times, then replayed
+    call(1)
+  call(4)  # the group's first trace, captured
+  call(4)  # its second, compared: promoted
   runtime.wait()
-  executions = runtime.execute_count()
-  losses_g = grouped.extended.experimental_run_steps(step_g, it_g, 4)
+  rep = grouped.extended._engine._replayer
+  executions, replays, traces = runtime.execute_count(), rep.replays, rep.traces
+  losses_g = call(4)
   runtime.wait()
   assert runtime.execute_count() - executions == 2  # the first step, then the other 3
+  assert rep.traces == traces, list(rep.reasons)
+  assert rep.replays - replays == 4
   assert len(losses_g) == 4
-  rep = grouped.extended._engine._replayer
-  assert rep.replays >= 4 + 3
-  for _ in range(12):
+  for i in range(16):
     last = separate.run(step_s, args=next(it_s))
+    if sched_s is not None and i in (0, 1, 2, 3, 7, 11, 15):  # where `call` stepped it
+      sched_s.step()
   torch.testing.assert_close(
     separate.reduce("mean", last, axis=None).cpu(),
     grouped.reduce("mean", losses_g[-1], axis=None).cpu(),
@@ -167,6 +190,9 @@ def test_run_steps_replays_the_group_as_one_program_and_equals_separate_steps():
   )
   for a, b in zip(model_g.parameters(), model_s.parameters()):
     torch.testing.assert_close(a.detach().cpu(), b.detach().cpu(), atol=1e-6, rtol=1e-6)
+  for a, b in zip(opt_g.state.values(), opt_s.state.values()):
+    for name in a:
+      torch.testing.assert_close(a[name].cpu(), b[name].cpu(), atol=1e-6, rtol=1e-6, msg=name)
 
 
 def test_no_array_of_an_old_step_outlives_it():

@@ -70,11 +70,11 @@ Never replayed (traced as before, and said why with `XLADIST_REPLAY_DEBUG=1`):
 * replay off (`XLADIST_REPLAY=0`, `RunOptions(experimental_replay=False)`).
 
 `experimental_run_steps(k)`: once its first step is replayed, the other k - 1
-steps run as ONE program (`Replayer.replay_steps`): on torch_xla a *group*,
-the k - 1 steps traced back to back (their random ops one seed chain) and
-captured under the step's key like a step of their own (captured twice, then
-replayed); on jax a scan of the step's program. A call
-is then two executions and traces nothing.
+steps run as ONE program (`Replayer.replay_steps`), a *group*: the k - 1 steps
+traced back to back as one program (torch_xla: their random ops one seed
+chain) and captured under the step's key like a step of their own (captured
+twice, then replayed), on every runtime. A call is then two executions and
+traces nothing.
 
 The contract: `fn`'s Python runs only when the step is traced (as with
 `tf.function` and `jax.jit`): Python side effects (printing, appending to a
@@ -107,13 +107,10 @@ from xladist._step.replay_program import (
   _debug,
   _Entry,
   _fresh_scalars,
-  _guards_fail,
   _inputs,
-  _steps_plan,
   _Traced,
   _weak,
   _write_back,
-  _write_back_steps,
   logger,
 )
 from xladist._step.replay_slots import (
@@ -281,10 +278,9 @@ class Replayer:
     """The k steps after a replayed one in `experimental_run_steps`, as ONE
     program, when the step before was replayed for the same `fn` and every
     step's arguments have its arguments' shapes, dtypes and placements (between
-    the steps of a group no user code runs but the iterator). On jax: the
-    runtime's scan of the step's program. On torch_xla: the k steps traced as
-    one graph, captured and replayed like a step of their own (`_group_steps`).
-    Returns the steps' results, or None (then they are traced as one program)."""
+    the steps of a group no user code runs but the iterator): the k steps
+    traced as one program, captured and replayed like a step of their own
+    (`_group_steps`). Returns the steps' results, or None (then they are traced as one program)."""
     last = self.last_replayed
     if last is None or not args_list:
       return None
@@ -297,30 +293,15 @@ class Replayer:
       if new_spec != spec or [_arg_entry(x) for x in leaves] != entries:
         return None
       leaves_list.append(leaves)
-    if _runtime.REPLAY_KIND != "program":
-      return self._group_steps(entry, fn, args_list)
-    prog = entry.program
-    if prog.counters or _guards_fail(prog) or isinstance(_fresh_scalars(prog), _Traced):
-      return None  # (a scan feeds every step the same scalars: not with step counters)
-    plan, fixed, carried, stacked = _steps_plan(prog, leaves_list, self._n)
-    if plan is None:
-      return None
-    program, consts = prog.runtime_program
-    self.steps += len(args_list)
-    seed = seeds.STEP_SEEDS.start_step()
-    final, ys = _runtime.run_program_steps(program, consts, plan, fixed, carried, stacked)
-    self.replays += len(args_list)
-    entry.since_verify += len(args_list)
-    seeds.STEP_SEEDS.after_replay(seed, prog.draws)
-    return _write_back_steps(prog, plan, final, ys, len(args_list), self._n)
+    return self._group_steps(entry, fn, args_list)
 
   def _group_steps(self, entry, fn, args_list):
-    """torch_xla: the k steps as one program. The group has an entry of its own
+    """The k steps as one program. The group has an entry of its own
     under the step's (the same rules: captured, replayed once two captures
     agree); it is traced as k
     `strategy.run` calls in a row (not captured one by one, their random ops
-    one seed chain), and its program's inputs are the slots and the k steps'
-    arguments."""
+    one seed chain on torch_xla), and its program's inputs are the slots and the
+    k steps' arguments. Host step counters chain through the steps (`carried`)."""
     k = len(args_list)
     group = entry.groups.get(k)
     if group is None:
@@ -352,9 +333,14 @@ class Replayer:
     strategy = self._extended._strategy_ref
     self._in_group = True
     self._group_hypers = []
+
+    def steps():
+      with self._extended._one_program():
+        return [strategy.run(fn, args=args) for args in args_list]
+
     try:
-      with self._extended._one_program(), seeds.STEP_SEEDS.chained() as starts:
-        outs = [strategy.run(fn, args=args) for args in args_list]
+      with seeds.STEP_SEEDS.chained() as starts:
+        outs = _runtime.traced_step(steps)  # one program (jax: one trace; torch_xla: lazily)
     except BaseException:
       attempt.abandon()
       raise

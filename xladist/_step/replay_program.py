@@ -6,9 +6,8 @@ the random-number seed, an optimizer hyperparameter (hyper.py) or a constant;
 its results each a *target*: a returned leaf or a slot. `_Program` holds the
 mapping and the runtime's program (`runtime.last_program`); `_inputs` builds
 the inputs of one replay from the current slots and arguments, `_write_back`
-puts the results where the traced step would have left them;
-`_steps_plan` / `_write_back_steps` do the same for several steps run as one
-program (the "program" form's scan).
+puts the results where the traced step would have left them (a group of
+`experimental_run_steps`' steps is a program like a step's: replay.py).
 """
 
 import logging
@@ -197,82 +196,6 @@ def _fresh_scalars(prog):
     program, consts = prog.runtime_program
     prog.runtime_program = (program, _runtime.with_scalars(consts, changed))
   return None
-
-
-def _steps_plan(prog, leaves_list, n):
-  """How a scan of k replays of `prog` gets its inputs (see
-  runtime.run_program_steps), or (None, ...) when some input cannot be planned."""
-  slots = prog.slots
-  carry_slot = {}  # result index -> slot index it writes
-  for j, target in enumerate(prog.targets):
-    if target[0] == SLOT:
-      carry_slot[j] = target[1]
-  for target, j in prog.aliases:
-    if target[0] == SLOT:
-      carry_slot.setdefault(j, target[1])
-  written = set(carry_slot.values())
-  inputs_plan, fixed, stacked = [], [], []
-  for source in prog.sources:
-    kind = source[0]
-    if kind == SLOT and source[1] in written:
-      inputs_plan.append(("carry", source[1]))
-    elif kind == SLOT:
-      value = slots[source[1]].get()
-      if value is None:
-        return None, None, None, None
-      inputs_plan.append(("fixed", len(fixed)))
-      fixed.append(value)
-    elif kind == ARG:
-      try:
-        rows = [_arg_global(leaves[source[1]], n) for leaves in leaves_list]
-      except _NotCapturable:
-        return None, None, None, None
-      inputs_plan.append(("arg", len(stacked)))
-      stacked.append(rows)
-    else:
-      inputs_plan.append(("fixed", len(fixed)))
-      fixed.append(source[1])
-  carried = {}
-  for slot in sorted(written):
-    value = slots[slot].get(settle=False)
-    if value is None:
-      return None, None, None, None
-    carried[slot] = value
-  returned = tuple(j for j, t in enumerate(prog.targets) if t[0] == RET) + tuple(
-    j for t, j in prog.aliases if t[0] == RET
-  )
-  plan = (tuple(inputs_plan), tuple(sorted(carry_slot.items())), tuple(dict.fromkeys(returned)))
-  return plan, fixed, [carried[s] for s in sorted(written)], stacked
-
-
-def _write_back_steps(prog, plan, final, ys, k, n):
-  """Puts the k steps' outputs where k replays would have left them."""
-  slots = prog.slots
-  _, carries, returned = plan
-  for slot, value in zip(sorted({c for _, c in carries}), final, strict=True):
-    slots[slot].set(value)
-  for i in prog.cleared:
-    slots[i].tensor.grad = None
-  for t in prog.restamp:
-    copies_of(t).restamp(t)
-  ret_of = {}
-  for j, target in enumerate(prog.targets):
-    if target[0] == RET:
-      ret_of.setdefault(target[1], j)
-  for target, j in prog.aliases:
-    if target[0] == RET:
-      ret_of.setdefault(target[1], j)
-  results = []
-  for t in range(k):
-    leaves = []
-    for index, kind in enumerate(prog.ret_leaves):
-      if kind in ("stacked", "tensor"):
-        value = ys[ret_of[index]][t]  # the runtime cut them per step
-        leaves.append(PerReplica._from_stacked(value, n) if kind == "stacked" else value)
-      else:
-        leaves.append(_python_leaf(prog, kind))
-    results.append(unflatten(prog.ret_spec, leaves))
-  return results
 
 
 def _weak(fn):

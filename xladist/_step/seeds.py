@@ -123,7 +123,12 @@ class _Seeds:
     random ops go on from the running seed as traced, without making it a new
     base (the same numbers; one seed input for the whole program). Yields the
     list of the seeds the steps start from; `settle_chain` then leaves the base
-    where steps traced one after the other would have."""
+    where steps traced one after the other would have. A runtime that threads a
+    random key through each program (jax: the running seed is a key, not a
+    counted int) needs none of it: the list stays empty."""
+    if not isinstance(_runtime.seed(running=True), int):
+      yield []
+      return
     self.chain = starts = []
     try:
       yield starts
@@ -136,6 +141,8 @@ class _Seeds:
     steps would have left (each made its start seed the base when random ops
     had moved the running seed), which the next sync moves on from; the next
     step starts from `end`."""
+    if not starts:
+      return
     base = self.base
     for seed in starts:
       if seed != base:

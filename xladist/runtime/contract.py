@@ -205,7 +205,7 @@ class Runtime(Protocol):
 @runtime_checkable
 class ProgramReplay(Protocol):
   """Running a traced step's program again on new inputs (replay.py), without
-  tracing `fn` (7 operations and 2 attributes).
+  tracing `fn` (6 operations and 2 attributes).
 
   Attributes:
     PendingInput: the exception `run_program` raises for an input still being
@@ -249,10 +249,6 @@ class ProgramReplay(Protocol):
     (donation), first copying an input another tensor still shares. "graph": the
     positions are fixed by the program's first run, which compiles it;
     "program": honoured once `prepare_program` compiled them."""
-
-  def run_program_steps(self, program, consts, plan, fixed, carried, rows):
-    """The "program" form: the step's program run len(rows) times as one program
-    (a scan: `carried` inputs feed the next step, `rows` are each step's own)."""
 
   def with_scalars(self, consts, vectors):
     """The "program" form: `consts` with new host scalars (a step's float

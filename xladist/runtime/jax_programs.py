@@ -5,8 +5,7 @@ into a jaxpr (its float literals lifted into constants), finds or builds its
 compiled program (`_Program`: `jax.jit(shard_map(...))` over the replica mesh,
 cached by the jaxpr's structure, then its text), and runs it. For the replay of
 steps (_step/replay.py): `last_program`, `run_program` (again, or inside
-another trace), `run_program_steps` (k steps as one `lax.scan`)
-and `with_scalars` (new hyperparameter values). Holds the last program run, its
+another trace) and `with_scalars` (new hyperparameter values). Holds the last program run, its
 outputs (what `wait` waits for) and the callbacks of the next sync.
 
 Memory (issue 41): the last traced step's input and result arrays are held only
@@ -233,132 +232,6 @@ class PendingInput(RuntimeError):
 def _arrays(values):
   """The jax arrays behind tensors (a program's constants are arrays already)."""
   return [getattr(v, "_elem", v) for v in values]
-
-
-def _stack_steps(arrays):
-  """The k steps' values of one argument stacked on a new leading axis, placed
-  like them (a replica-split value stays split on its replica axis)."""
-  split = not arrays[0].sharding.is_fully_replicated
-  return _stacker(split)(*arrays)
-
-
-@functools.cache
-def _stacker(split):
-  jax = _rt().jax
-  from jax.sharding import NamedSharding, PartitionSpec
-
-  spec = PartitionSpec(None, REPLICA_AXIS) if split else PartitionSpec()
-  return jax.jit(lambda *xs: jax.numpy.stack(xs), out_shardings=NamedSharding(mesh(), spec))
-
-
-def run_program_steps(program, consts, plan, fixed, carried, rows):
-  """Runs a step's program k times as ONE program (a `lax.scan` over the steps),
-  for the k replayed steps of `experimental_run_steps`.
-
-  `plan` says where each input of the step comes from: ("fixed", j) the same
-  value every step (`fixed[j]`), ("carry", c) the previous step's result that
-  carries slot c (`carried[c]` at the first step), ("arg", j) step t's value
-  `rows[j][t]` (stacked here on a leading axis); and which
-  results carry which slot (`carries`: result index -> c) and which are
-  returned per step (`returned`: result indices). Returns (the carried values
-  after the last step, {result index: [its value at each of the k steps]}).
-  """
-  _, _, returned = plan
-  env = _rt().env
-  fixed, carried = _arrays(fixed), _arrays(carried)
-  stacked = [_stack_steps(_arrays(values)) for values in rows]
-  key = (
-    program,  # kept alive by the key: compared by identity
-    plan,
-    tuple(a.shape for a in stacked),
-    tuple(a.sharding.is_fully_replicated for a in (*fixed, *stacked)),
-  )
-  fn = _steps_programs.get(key)
-  if fn is None:
-    fn = _steps_programs[key] = _steps_program(program, plan, fixed, stacked)
-  prng = env.param.prng = _placed_key(env.param.prng)
-  final, ys, key_out = fn(consts[0], consts[1], prng, fixed, carried, stacked)
-  _counts["execute"] += 1
-  env.param.prng = key_out
-  _last_outputs[:] = [key_out]
-  k = stacked[0].shape[0] if stacked else (ys[0].shape[0] if ys else 0)
-  per_step = _unstacker(k, tuple(program.out_split[r] for r in returned))(ys) if ys else []
-  return [_wrap(c) for c in final], {
-    r: [_wrap(v) for v in values] for r, values in zip(returned, per_step, strict=True)
-  }
-
-
-@functools.cache
-def _unstacker(k, splits):
-  """One program that cuts each stacked result into its k steps' values, each
-  placed like one step's result (split over the replicas or replicated)."""
-  jax = _rt().jax
-  from jax.sharding import NamedSharding, PartitionSpec
-
-  shardings = [
-    [NamedSharding(mesh(), PartitionSpec(REPLICA_AXIS) if split else PartitionSpec())] * k
-    for split in splits
-  ]
-  return jax.jit(lambda ys: [list(y) for y in ys], out_shardings=shardings)
-
-
-_steps_programs = {}
-
-
-def _steps_program(program, plan, fixed, stacked):
-  jax = _rt().jax
-  from jax.sharding import PartitionSpec as P
-
-  inputs_plan, carries, returned = plan
-  body = _unpacking_body(program.jaxpr, program.layout)
-  out_split = program.out_split
-  carry_slots = sorted({c for _, c in carries})
-  carry_of = dict(carries)
-
-  def steps(arrays, vectors, key, fixed, carried, stacked):
-    def one(state, xs):
-      values, key = state
-      inputs = []
-      for kind, j in inputs_plan:
-        if kind == "fixed":
-          inputs.append(fixed[j])
-        elif kind == "carry":
-          inputs.append(values[carry_slots.index(j)])
-        else:
-          inputs.append(xs[j])
-      outs = body(arrays, vectors, key, *inputs)
-      new = list(values)
-      for r, c in carry_of.items():
-        new[carry_slots.index(c)] = outs[r]
-      return (new, outs[-1]), [outs[r] for r in returned]
-
-    (final, key), ys = jax.lax.scan(one, (list(carried), key), list(stacked))
-    return final, ys, key
-
-  def spec(split, lead=False):
-    if split:
-      return P(None, REPLICA_AXIS) if lead else P(REPLICA_AXIS)
-    return P()
-
-  arg_split = [not a.sharding.is_fully_replicated for a in stacked]
-  carry_split = [out_split[next(r for r, c in carries if c == slot)] for slot in carry_slots]
-  in_specs = (
-    P(),
-    P(),
-    P(),
-    [spec(not a.sharding.is_fully_replicated) for a in fixed],
-    [spec(x) for x in carry_split],
-    [spec(x, lead=True) for x in arg_split],
-  )
-  out_specs = (
-    [spec(x) for x in carry_split],
-    [spec(out_split[r], lead=True) for r in returned],
-    P(),
-  )
-  mapped = jax.shard_map(
-    steps, mesh=mesh(), in_specs=in_specs, out_specs=out_specs, check_vma=False
-  )
-  return jax.jit(mapped)
 
 
 def run_program(program, consts, inputs, donate=()):

@@ -44,7 +44,7 @@ has, and re-exports the rest of the interface from the modules below it (each
 imports only those listed after it):
 
 * jax_programs.py: building, caching and running a step's program
-  (`traced_step`, and the replay's `run_program`, `run_program_steps`, ...);
+  (`traced_step`, and the replay's `last_program`, `run_program`, ...);
 * jax_step.py: the step's trace (`to_local`, `to_global`, `spmd_all_reduce`,
   `no_execution`, tensor identities);
 * jax_devices.py: starting jax and torchax (`initialize`), devices, the mesh,
@@ -92,7 +92,6 @@ from xladist.runtime.jax_programs import (  # noqa: F401  (interface)
   on_boundary,
   prepare_program,
   run_program,
-  run_program_steps,
   traced_step,
   with_scalars,
 )

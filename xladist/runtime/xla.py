@@ -758,7 +758,6 @@ _ELSEWHERE = {
   "in_traced_step": "xladist.runtime.xla_programs",
   "last_program": "xladist.runtime.xla_programs",
   "prepare_program": "xladist.runtime.xla_programs",
-  "run_program_steps": "xladist.runtime.xla_programs",
   "with_scalars": "xladist.runtime.xla_programs",
 }
 

@@ -149,14 +149,6 @@ def _donatable(x, inputs, donate, device):
   return inputs
 
 
-def run_program_steps(program, consts, plan, fixed, carried, rows):
-  """Several steps of a cut program are themselves traced as one group and
-  captured (replay.py `_group_steps`): no scan here."""
-  raise NotImplementedError(
-    "xladist: torch_xla replays experimental_run_steps' steps as a captured group, not a scan"
-  )
-
-
 def with_scalars(consts, vectors):
   """torch_xla feeds a program's scalars as parameters: no constants to repack."""
   raise NotImplementedError("xladist: torch_xla feeds a program's scalars as parameters")
