@@ -119,14 +119,6 @@ def test_program_last_program_runs_again(host):
   assert torch.equal(got[1], x.sum(0, keepdim=True)) and torch.equal(got[1], host(total))
 
 
-@GRAPH
-def test_graph_runtimes_refuse_the_program_forms_operation():
-  """ProgramReplay.with_scalars is the "program" form's: a "graph" runtime
-  refuses it with NotImplementedError."""
-  with pytest.raises(NotImplementedError):
-    runtime.with_scalars(None, [])
-
-
 def test_replayed_steps_equal_plain_torch(strategy):
   """ProgramReplay through `strategy.run`: a training step run 6 times (a
   learning rate that changes every step) is replayed after its first runs, and

@@ -106,7 +106,6 @@ from xladist._step.replay_program import (
   _arg_entry,
   _debug,
   _Entry,
-  _fresh_scalars,
   _inputs,
   _Traced,
   _weak,
@@ -432,9 +431,6 @@ class Replayer:
     inputs = _inputs(prog, leaves, n, seed)
     if isinstance(inputs, _Traced):
       return inputs
-    fresh = _fresh_scalars(prog)
-    if isinstance(fresh, _Traced):
-      return fresh
     program, consts = prog.runtime_program
     try:
       results = _runtime.run_program(program, consts, inputs, donate=prog.donate)

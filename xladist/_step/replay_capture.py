@@ -8,7 +8,6 @@ and offers it to its key's entry (promoted when two captures agree).
 
 import warnings
 
-import numpy as np
 import torch
 
 from xladist import runtime as _runtime
@@ -34,7 +33,6 @@ from xladist._step.replay_program import (
   _NotCapturable,
   _program_record,
   _signed,
-  _torch_dtype,
   _weak,
   _write_back,
   donate_min_bytes,
@@ -331,13 +329,18 @@ def _host_decisions(prog, attempt):
 
 
 def _hyper_sources(attempt, sources, consts):
-  """torch_xla: turns the CONST sources that are optimizer hyperparameters into
-  HYPER sources (hyper.py), dropping them from `consts`; their `hyper_inputs.Input`s."""
+  """Turns the CONST sources that are optimizer hyperparameters (matched by value:
+  hyper_inputs.py) into HYPER sources, dropping them from `consts`; their
+  `hyper_inputs.Input`s. A program's scalars are inputs on every runtime
+  (torch_xla: device data; jax: `last_program`'s host scalars)."""
   made = attempt.hypers.candidates() if attempt.hypers is not None else ()
   scalar = [
     i
     for i, s in enumerate(sources)
-    if s[0] == CONST and s[1].dim() == 0 and s[1].dtype.is_floating_point
+    if s[0] == CONST
+    and isinstance(s[1], torch.Tensor)  # (jax: an input array nothing names is none)
+    and s[1].dim() == 0
+    and s[1].dtype.is_floating_point
   ]
   if not made or not scalar:
     return []
@@ -462,29 +465,18 @@ def _program_of_runtime(attempt, result):
   for i, value in written:
     if not target_of(value, (SLOT, i)):
       raise _NotCapturable("a state slot was given a value the step did not compute")
-  consts_seen = [(id(c), c) for part in consts for c in part]
-  sources = [_source(attempt, id(array), array, consts_seen) for array in inputs]
+  # The input arrays, then the program's scalars as host tensors (hyperparameters
+  # or constants, compared between captures); an array nothing names is fed as it is.
+  taken, scalars = [], []
+  sources = [
+    _source(attempt, id(x), x, scalars if isinstance(x, torch.Tensor) else taken) for x in inputs
+  ]
   prog = _program_record(
     program.text_key, slots, sources, targets, aliases, cleared, ret_spec, ret_leaves, []
   )
-  host = [np.array(v) for v in consts[1]]
-  order = sorted({d for kind, d, _ in program.layout if kind == "scalar"})
-  prog.scalar_slots = tuple(
-    (order.index(d), j) for kind, d, j in program.layout if kind == "scalar"
-  )
-  made = attempt.hypers.candidates() if attempt.hypers is not None else ()
-  if made and prog.scalar_slots:
-    scalars = [(host[v][j].item(), _torch_dtype(host[v].dtype)) for v, j in prog.scalar_slots]
-    prog.hypers = hyper_inputs.match(scalars, made)
-  masked = [np.array(v) for v in host]
-  for h, (v, j) in zip(prog.hypers, prog.scalar_slots):
-    if h is not None:
-      masked[v][j] = 0
-  prog.host_vectors = host
+  prog.hypers = _hyper_sources(attempt, sources, scalars)
   _host_decisions(prog, attempt)
-  prog.consts = [(id(a), _ConstView(a)) for a in consts[0]] + [
-    (("scalars", i), _ConstView(m)) for i, m in enumerate(masked)
-  ]
+  prog.consts = [(id(a), _ConstView(a)) for a in consts[0]] + scalars
   prog.n_outputs = len(results)
   prog.runtime_program = (program, consts)
   prog.donate = _donated(prog, (), attempt._donate_floor)  # checked by the runtime at each run

@@ -77,8 +77,6 @@ class _Program:
     "starts",
     "hypers",
     "groups",
-    "scalar_slots",
-    "host_vectors",
     "counters",
     "guards",
     "donate",
@@ -172,32 +170,6 @@ def _guards_fail(prog):
   return None if why is None else _Traced(why, guard=True)
 
 
-def _fresh_scalars(prog):
-  """jax: puts the hyperparameters' current values into the program's scalar
-  constants (one transfer of one small vector when one changed), or a
-  `_Traced` saying why the step is traced instead."""
-  if not prog.hypers:
-    return None
-  vectors = prog.host_vectors
-  changed = None
-  memo = {}
-  for h, (v, j) in zip(prog.hypers, prog.scalar_slots):
-    if h is None:
-      continue
-    value = _hyper_value(prog, h, memo)
-    if isinstance(value, _Traced):
-      return value
-    if vectors[v][j] != value:
-      if changed is None:
-        changed = [np.array(x) for x in vectors]
-      changed[v][j] = value
-  if changed is not None:
-    prog.host_vectors = changed
-    program, consts = prog.runtime_program
-    prog.runtime_program = (program, _runtime.with_scalars(consts, changed))
-  return None
-
-
 def _weak(fn):
   """A weak reference to `fn` (a callable that returns it), strong only for a
   callable that takes no weak references (a builtin)."""
@@ -248,7 +220,7 @@ def _inputs(prog, leaves, n, seed):
       if isinstance(value, _Traced):
         return value
       if h.placed is None or h.placed[0] != value:
-        h.placed = (value, _runtime.place_replicated(torch.tensor(value, dtype=h.dtype)))
+        h.placed = (value, _runtime.scalar_input(value, h.dtype))
       value = h.placed[1]
     else:
       value = _seed_tensor(seed)
@@ -341,10 +313,8 @@ def _program_record(key, slots, sources, targets, aliases, cleared, ret_spec, re
   prog.restamp = [s.tensor for s in slots if s.kind == COPIES]
   prog.n_outputs = len(targets)
   prog.starts = ()  # a group's steps: draws before each step's first seed
-  prog.hypers = []  # hyper_inputs.Input of each HYPER source (jax: of each scalar slot)
+  prog.hypers = []  # hyper_inputs.Input of each HYPER source
   prog.groups = {}  # id -> the parameter groups the hypers read
-  prog.scalar_slots = ()  # jax: (vector index, position) of each scalar constant
-  prog.host_vectors = None  # jax: the scalar vectors' values, as last fed
   prog.counters = ()  # the host scalars the step updates: (state, key, expression)
   prog.guards = ()  # (expression, value): the host decisions of the trace (hyper.py)
   prog.donate = ()  # positions of the inputs a run gives up (`_donated`)
@@ -400,10 +370,6 @@ def _donated(prog, shared, min_bytes):
       out.append(position)
       size += _nbytes(slot.get(settle=False))
   return tuple(out) if size >= min_bytes else ()
-
-
-def _torch_dtype(np_dtype):
-  return getattr(torch, np.dtype(np_dtype).name, None)
 
 
 class _ConstView:

@@ -232,8 +232,10 @@ class ProgramReplay(Protocol):
     "graph": the program computing `outputs` (compiled now), consts None,
     inputs its parameters (device tensors, in order), results the outputs it
     computes (each once, in order), `program.seed_inputs` the indices of the
-    random seed's parameters. "program": the program the runtime ran,
-    its constants, input and result arrays."""
+    random seed's parameters. "program": the program the runtime ran, its
+    packed constants, its input arrays followed by one host tensor per scalar
+    constant (the step's Python numbers, which a replay feeds as inputs), and
+    its result arrays."""
 
   def prepare_program(self, program, consts, donate) -> None:
     """Compiles now what `run_program(program, consts, inputs, donate)` runs
@@ -250,9 +252,11 @@ class ProgramReplay(Protocol):
     positions are fixed by the program's first run, which compiles it;
     "program": honoured once `prepare_program` compiled them."""
 
-  def with_scalars(self, consts, vectors):
-    """The "program" form: `consts` with new host scalars (a step's float
-    hyperparameters) for the next run."""
+  def scalar_input(self, value, dtype):
+    """A hyperparameter's current value as `run_program` takes it among its
+    inputs. "graph": a replicated device scalar of `dtype`, as the traced
+    graph's parameter; "program": the number itself (the runtime packs the
+    program's scalars, transferring them when one changed)."""
 
 
 @runtime_checkable

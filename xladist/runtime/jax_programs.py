@@ -5,7 +5,8 @@ into a jaxpr (its float literals lifted into constants), finds or builds its
 compiled program (`_Program`: `jax.jit(shard_map(...))` over the replica mesh,
 cached by the jaxpr's structure, then its text), and runs it. For the replay of
 steps (_step/replay.py): `last_program`, `run_program` (again, or inside
-another trace) and `with_scalars` (new hyperparameter values). Holds the last program run, its
+another trace; a hyperparameter's new value is a scalar input, `_fed` into the
+packed constants). Holds the last program run, its
 outputs (what `wait` waits for) and the callbacks of the next sync.
 
 Memory (issue 41): the last traced step's input and result arrays are held only
@@ -62,6 +63,10 @@ class _Program:
     self.in_split = in_split
     self.out_split = out_split
     self.layout = layout
+    order = sorted({d for kind, d, _ in layout if kind == "scalar"})
+    # each scalar constant's (vector, position) in the packed form, in layout order
+    self.scalar_at = tuple((order.index(d), j) for kind, d, j in layout if kind == "scalar")
+    self.fed = {}  # id(packed constants) -> what `_fed` last gave them
     self.hlo = None
     self._local = None
 
@@ -120,7 +125,9 @@ def _unpacking_body(jaxpr, layout):
 _programs = {}
 _last_outputs = []
 _last_program = [None]  # (program, packed constants, key, abstract inputs) of the last step
-_last_io = [None]  # its (input arrays, result arrays), until the capture takes them
+_last_io = [
+  None
+]  # its (input arrays, result arrays, scalar constants), until the capture takes them
 _sync_callbacks = []
 
 
@@ -177,7 +184,8 @@ def traced_step(body):
   env.param.prng = outs[-1]
   _last_outputs[:] = [outs[-1]]
   _last_program[0] = (program, packed, key_before, abstract)
-  _last_io[0] = (args, list(outs[:-1]))
+  scalars = [c for (kind, _, _), c in zip(program.layout, consts) if kind == "scalar"]
+  _last_io[0] = (args, list(outs[:-1]), scalars)
   _run_sync_callbacks()
   return result
 
@@ -198,15 +206,73 @@ def _placed_key(key):
 
 
 def last_program(outputs=None):
-  """(program, constants, input arrays, result arrays) of the last step traced
-  and run, for the replay of steps (`_step/replay.py`); the constants are in
-  the program's packed form, a value `run_program` takes as it is. (`outputs`:
-  the runtime ran the step's whole program already; every result is offered.)"""
+  """(program, constants, inputs, result arrays) of the last step traced and
+  run, for the replay of steps (`_step/replay.py`). The inputs are the program's
+  input arrays, then its scalar constants (the step's Python numbers, lifted
+  out of the program text) as host tensors, one each: `run_program` takes them
+  as inputs like the arrays, so a replay feeds a hyperparameter's new value the
+  same way on every runtime. The constants are the packed arrays and vectors.
+  (`outputs`: the runtime ran the step's whole program already; every result is
+  offered.)"""
   del outputs
   program, consts, _, _ = _last_program[0]
-  args, results = _last_io[0]
+  args, results, scalars = _last_io[0]
   _last_io[0] = None  # taken: held here, they would keep an old step's buffers alive
-  return program, consts, args, results
+  return program, consts, args + [_host_scalar(c) for c in scalars], results
+
+
+def _host_scalar(value):
+  """A scalar constant as a host torch tensor of its dtype (bfloat16 through
+  float32: torch takes no numpy bfloat16)."""
+  import torch
+
+  value = np.asarray(value)
+  if value.dtype.name == "bfloat16":
+    return torch.tensor(float(value), dtype=torch.bfloat16)
+  return torch.from_numpy(value.copy())
+
+
+def scalar_input(value, dtype):
+  """A replay's scalar input (a hyperparameter's value): the number itself;
+  `run_program` packs the program's scalars (`_fed`)."""
+  del dtype
+  return value
+
+
+def _fed(program, consts, scalars):
+  """`consts` (a program's packed constants) with its scalar vectors holding
+  `scalars` (a replay's scalar inputs in the program's order: host tensors or
+  numbers): one transfer per vector when a value changed since these constants
+  last ran, none otherwise (each scalar compared by identity, a number by value)."""
+  if not scalars:
+    return consts
+  fed = program.fed.get(id(consts))
+  if fed is None or fed[0] is not consts:
+    jax = _rt().jax
+    sizes = {}
+    for v, j in program.scalar_at:
+      sizes[v] = max(sizes.get(v, 0), j + 1)
+    dtypes = sorted({d for kind, d, _ in program.layout if kind == "scalar"})
+    host = [np.zeros(sizes[v], jax.numpy.dtype(d)) for v, d in enumerate(dtypes)]
+    last = [None] * len(scalars)
+    if len(program.fed) >= 8:  # the constants of programs replaced since
+      program.fed.pop(next(iter(program.fed)))
+  else:
+    _, last, host, placed = fed
+  changed = fed is None or fed[0] is not consts
+  for i, x in enumerate(scalars):
+    old = last[i]
+    if x is old or (old is not None and not hasattr(x, "item") and x == old):
+      continue
+    v, j = program.scalar_at[i]
+    host[v][j] = x.item() if hasattr(x, "item") else x
+    changed = True
+  if changed:
+    jax = _rt().jax
+    with jax.ensure_compile_time_eval():
+      placed = (consts[0], _on_devices([h.copy() for h in host]))
+  program.fed[id(consts)] = (consts, list(scalars), host, placed)
+  return placed
 
 
 def _abstract(array):
@@ -214,15 +280,6 @@ def _abstract(array):
   jax = _rt().jax
   weak = getattr(array, "weak_type", False)
   return jax.ShapeDtypeStruct(array.shape, array.dtype, sharding=array.sharding, weak_type=weak)
-
-
-def with_scalars(consts, vectors):
-  """A program's packed constants (`_Program.pack`) with its scalar vectors
-  replaced by `vectors` (host arrays, one per dtype in the program's order):
-  a replayed step's new hyperparameter values, one transfer per vector."""
-  jax = _rt().jax
-  with jax.ensure_compile_time_eval():
-    return (consts[0], _on_devices(vectors))
 
 
 class PendingInput(RuntimeError):
@@ -236,7 +293,8 @@ def _arrays(values):
 
 def run_program(program, consts, inputs, donate=()):
   """Runs a step's program again on `inputs` (arrays in the order of its trace's
-  inputs); returns its results as tensors, and moves the random key on.
+  inputs, then its scalars: `last_program`); returns its results as tensors,
+  and moves the random key on.
 
   Inside a trace (a replayed step among the k steps of experimental_run_steps),
   the program's body is traced into the enclosing program instead: each input
@@ -245,7 +303,9 @@ def run_program(program, consts, inputs, donate=()):
   rt = _rt()
   env = rt.env
   st = _current()
-  tensors, inputs = inputs, _arrays(inputs)
+  n = len(program.in_split)
+  consts = _fed(program, consts, inputs[n:])
+  tensors, inputs = inputs[:n], _arrays(inputs[:n])
   if st is None:
     _last_io[0] = None
     env.param.prng = _placed_key(env.param.prng)

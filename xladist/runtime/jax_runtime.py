@@ -31,11 +31,11 @@ a step is traced by JAX while it runs:
 
 Replay (_step/replay.py) works here too: the runtime hands over the program a
 step ran and its inputs (`REPLAY_KIND = "program"`), across several processes
-too (a traced and a replayed step dispatch the same compiled program); a
-replayed step's new hyperparameter values replace its packed scalar constants
-(`with_scalars`). Not on this runtime (each refused with an error that names
-it): several devices per replica (TPUStrategy's logical devices),
-CentralStorageStrategy, ParameterServerStrategy, sharded
+too (a traced and a replayed step dispatch the same compiled program); the
+step's scalar constants are inputs of a replay like its arrays (`last_program`,
+`scalar_input`), packed into the program's constants when one changed. Not on
+this runtime (each refused with an error that names it): several devices per
+replica (TPUStrategy's logical devices), CentralStorageStrategy, ParameterServerStrategy, sharded
 (torch.distributed.checkpoint) checkpoints.
 
 This module is the one runtime/__init__.py binds: it holds step boundaries
@@ -92,8 +92,8 @@ from xladist.runtime.jax_programs import (  # noqa: F401  (interface)
   on_boundary,
   prepare_program,
   run_program,
+  scalar_input,
   traced_step,
-  with_scalars,
 )
 from xladist.runtime.jax_step import (  # noqa: F401  (interface)
   _Ident,

@@ -758,7 +758,6 @@ _ELSEWHERE = {
   "in_traced_step": "xladist.runtime.xla_programs",
   "last_program": "xladist.runtime.xla_programs",
   "prepare_program": "xladist.runtime.xla_programs",
-  "with_scalars": "xladist.runtime.xla_programs",
 }
 
 
@@ -792,6 +791,15 @@ def run_program(program, consts, inputs, donate=()):
 
   wait()
   return xla_programs.run_program(program, consts, inputs, donate, str(device()))
+
+
+def scalar_input(value, dtype):
+  """A replay's scalar input (a hyperparameter's value): a replicated device
+  scalar, as the traced graph's parameter was (a Python number torch_xla made
+  device data)."""
+  import torch
+
+  return place_replicated(torch.tensor(value, dtype=dtype))
 
 
 def foreign_idioms(handlers):

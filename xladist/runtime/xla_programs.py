@@ -149,11 +149,6 @@ def _donatable(x, inputs, donate, device):
   return inputs
 
 
-def with_scalars(consts, vectors):
-  """torch_xla feeds a program's scalars as parameters: no constants to repack."""
-  raise NotImplementedError("xladist: torch_xla feeds a program's scalars as parameters")
-
-
 def in_traced_step():
   """torch_xla records steps lazily: no step has a trace of its own to be inside."""
   return False
