@@ -157,9 +157,10 @@ def _advance(prog):
   (hyper.py): every new value first, then every write."""
   if not prog.counters:
     return
-  new = [hyper.evaluate(expr, prog.groups) for _, _, expr in prog.counters]
-  for (state, key, _), value in zip(prog.counters, new):
-    state[key].fill_(value)
+  with _runtime.host_work():
+    new = [hyper.evaluate(expr, prog.groups) for _, _, expr in prog.counters]
+    for (state, key, _), value in zip(prog.counters, new):
+      state[key].fill_(value)
 
 
 def _guards_fail(prog):
@@ -195,12 +196,14 @@ def _inputs(prog, leaves, n, seed):
   """A replay's inputs, in the program's order (slots' current values, the
   arguments' global tensors, constants, the seed), or a `_Traced` saying why
   the step must be traced."""
-  failed = _guards_fail(prog)
-  if failed is not None:
-    return failed
+  with _runtime.host_work():  # host scalars only: the guards, the hyperparameters
+    failed = _guards_fail(prog)
+    if failed is not None:
+      return failed
+    memo = {}
+    hypers = [_hyper_value(prog, h, memo) for h in prog.hypers]
   slots = prog.slots
   inputs = []
-  memo = {}
   for source in prog.sources:
     kind = source[0]
     if kind == SLOT:
@@ -216,7 +219,7 @@ def _inputs(prog, leaves, n, seed):
       value = source[1]
     elif kind == HYPER:
       h = prog.hypers[source[1]]
-      value = _hyper_value(prog, h, memo)
+      value = hypers[source[1]]
       if isinstance(value, _Traced):
         return value
       if h.placed is None or h.placed[0] != value:

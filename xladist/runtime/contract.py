@@ -205,7 +205,7 @@ class Runtime(Protocol):
 @runtime_checkable
 class ProgramReplay(Protocol):
   """Running a traced step's program again on new inputs (replay.py), without
-  tracing `fn` (6 operations and 2 attributes).
+  tracing `fn` (7 operations and 2 attributes).
 
   Attributes:
     PendingInput: the exception `run_program` raises for an input still being
@@ -251,6 +251,12 @@ class ProgramReplay(Protocol):
     (donation), first copying an input another tensor still shares. "graph": the
     positions are fixed by the program's first run, which compiles it;
     "program": honoured once `prepare_program` compiled them."""
+
+  def host_work(self):
+    """A context for a replay's bookkeeping on host tensors (step counters,
+    hyperparameter values): whatever the runtime routes every torch op through
+    is set aside inside (jax: torchax's modes, about 20 µs per op otherwise);
+    only host tensors are touched in it."""
 
   def scalar_input(self, value, dtype):
     """A hyperparameter's current value as `run_program` takes it among its

@@ -88,6 +88,7 @@ from xladist.runtime.jax_programs import (  # noqa: F401  (interface)
   _last_outputs,
   _last_program,
   _run_sync_callbacks,
+  host_work,
   last_program,
   on_boundary,
   prepare_program,

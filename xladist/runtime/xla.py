@@ -755,6 +755,7 @@ REPLAY_KIND = "graph"  # runtime/xla_programs.py: a step's program is cut from i
 _ELSEWHERE = {
   "HostReadInStep": "xladist.runtime.host",
   "PendingInput": "xladist.runtime.xla_programs",
+  "host_work": "xladist.runtime.xla_programs",
   "in_traced_step": "xladist.runtime.xla_programs",
   "last_program": "xladist.runtime.xla_programs",
   "prepare_program": "xladist.runtime.xla_programs",

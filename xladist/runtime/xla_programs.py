@@ -19,6 +19,7 @@ whose storage another tensor shares (a `detach()` or `.data` the user kept) is
 copied, the copy donated.
 """
 
+import contextlib
 import functools
 
 from xladist.runtime.host import shares_storage
@@ -147,6 +148,12 @@ def _donatable(x, inputs, donate, device):
       x._xla_sync_multi([copy], devices=[], wait=True)
       inputs[i] = copy
   return inputs
+
+
+def host_work():
+  """A replay's bookkeeping on host tensors: nothing to set aside on torch_xla
+  (its ops on CPU tensors are torch's own)."""
+  return contextlib.nullcontext()
 
 
 def in_traced_step():
