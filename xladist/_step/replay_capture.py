@@ -240,50 +240,51 @@ class _Attempt:
       raise _NotCapturable(f"capturing failed ({type(e).__name__}: {e})", permanent=True) from e
 
   def _program(self, result, seed1):
-    if _runtime.REPLAY_KIND == "program":
-      return _program_of_runtime(self, result)
+    """The traced step's program (`runtime.last_program`), its inputs mapped to
+    slots, arguments (by buffer), the seed, hyperparameters and constants (scalars
+    matched by value: hyper_inputs.py), its results to what fn returned and the
+    slots the step wrote (by value identity; a result two of them take is an
+    alias). Returns it with the program's inputs at the capture."""
     slots, uids = _new_state_slots(self)
-    # Outputs: the returned tensors, then the slots the step wrote.
     ret_spec, returned = _returned(result)
-    outs, targets, ret_leaves = [], [], []
+    outs, ret_leaves = [], []
     for j, kind, value in returned:
       if kind in ("py", "hyper"):
         ret_leaves.append((kind, value))
       else:
-        outs.append(value)
-        targets.append((RET, j))
+        outs.append((value, (RET, j)))
         ret_leaves.append(kind)
     cleared, written = _written_slots(slots, uids)
-    for i, value in written:
-      outs.append(value)
-      targets.append((SLOT, i))
-    # Only tensors with a pending computation are program outputs, each once.
-    need = [b is None for b in _runtime.buffer_ids(outs)]
-    kept, kept_targets, aliases, first = [], [], [], {}
-    for t, target, pending in zip(outs, targets, need):
-      if not pending:
+    outs += [(value, (SLOT, i)) for i, value in written]
+    program, consts, inputs, results = _runtime.last_program([t for t, _ in outs])
+    index = {}
+    for j, r in enumerate(results):
+      index.setdefault(_runtime.value_id(r), j)
+    targets, aliases = [(DROP,)] * len(results), []
+    for t, target in outs:
+      j = index.get(_runtime.value_id(t))
+      if j is None:
         if target[0] == RET:
           raise _NotCapturable("a returned tensor is not computed by the step")
-        continue
-      uid = _runtime.value_id(t)
-      if uid in first:
-        aliases.append((target, first[uid]))
-        continue
-      first[uid] = len(kept)
-      kept.append(t)
-      kept_targets.append(target)
-    if not kept:
+        raise _NotCapturable("a state slot was given a value the step did not compute")
+      if targets[j][0] == DROP:
+        targets[j] = target
+      else:
+        aliases.append((target, j))
+    if all(t[0] == DROP for t in targets):
       raise _NotCapturable("the step computes nothing")
-    program, _, values, _ = _runtime.last_program(kept)
-    sources, consts = [], []
-    for j, (handle, v) in enumerate(zip(_runtime.buffer_ids(values), values)):
+    # The program's inputs: device buffers (slots, arguments; one nothing names is
+    # fed as it is), the seed, and scalars (host or device tensors: hyperparameters
+    # or constants, compared between captures).
+    sources, scalars, taken = [], [], []
+    for j, (handle, v) in enumerate(zip(_runtime.buffer_ids(inputs), inputs)):
       if j in program.seed_inputs:
         if int(v.cpu()) != _signed(self._seed0):
           raise _NotCapturable("the step's random-number seed is not the one it started from")
         sources.append((SEED,))
         continue
-      sources.append(_source(self, handle, v, consts))
-    hypers = _hyper_sources(self, sources, consts)
+      sources.append(_source(self, handle, v, scalars if isinstance(v, torch.Tensor) else taken))
+    hypers = _hyper_sources(self, sources, scalars)
     draws = 0
     if sum(1 for s in sources if s[0] == SEED) > 1:
       raise _NotCapturable("the program has several random-number seeds")
@@ -291,15 +292,16 @@ class _Attempt:
       draws = seeds.draws_between(self._seed0, seed1)
       if not draws:
         raise _NotCapturable("the step's random-number seed use could not be followed")
+    arrays = [] if consts is None else [(id(a), _ConstView(a)) for a in consts[0]]
     prog = _program_record(
-      program.key, slots, sources, kept_targets, aliases, cleared, ret_spec, ret_leaves, consts
+      program.key, slots, sources, targets, aliases, cleared, ret_spec, ret_leaves, arrays + scalars
     )
-    prog.runtime_program = (program, None)  # compiled at its first run (none when cached)
+    prog.runtime_program = (program, consts)  # torch_xla: compiled at its first run
     prog.draws = draws
     prog.hypers = hypers
     prog.donate = _donated(prog, self._shared, self._donate_floor)
     _host_decisions(prog, self)
-    return prog, values
+    return prog, inputs
 
 
 def _shared_slots(slots, values, min_bytes):
@@ -433,51 +435,3 @@ def _written_slots(slots, uids):
     if _runtime.value_id(value) != uids[i]:
       written.append((i, value))
   return cleared, written
-
-
-def _program_of_runtime(attempt, result):
-  """The jax runtime's capture: the step's program as the runtime ran it, its
-  inputs mapped to slots and arguments by array identity, its results to the
-  slots the step wrote and to what fn returned."""
-  slots, uids = _new_state_slots(attempt)
-  program, consts, inputs, results = _runtime.last_program()
-  index = {id(r): j for j, r in enumerate(results)}
-  targets = [(DROP,)] * len(results)
-  aliases = []
-
-  def target_of(tensor, target):
-    j = index.get(_runtime.buffer_ids([tensor])[0])
-    if j is None:
-      return False
-    if targets[j][0] == DROP:
-      targets[j] = target
-    else:
-      aliases.append((target, j))
-    return True
-
-  ret_spec, returned = _returned(result)
-  ret_leaves = []
-  for j, kind, value in returned:
-    if kind not in ("py", "hyper") and not target_of(value, (RET, j)):
-      raise _NotCapturable("a returned tensor is not computed by the step")
-    ret_leaves.append((kind, value) if kind in ("py", "hyper") else kind)
-  cleared, written = _written_slots(slots, uids)
-  for i, value in written:
-    if not target_of(value, (SLOT, i)):
-      raise _NotCapturable("a state slot was given a value the step did not compute")
-  # The input arrays, then the program's scalars as host tensors (hyperparameters
-  # or constants, compared between captures); an array nothing names is fed as it is.
-  taken, scalars = [], []
-  sources = [
-    _source(attempt, id(x), x, scalars if isinstance(x, torch.Tensor) else taken) for x in inputs
-  ]
-  prog = _program_record(
-    program.text_key, slots, sources, targets, aliases, cleared, ret_spec, ret_leaves, []
-  )
-  prog.hypers = _hyper_sources(attempt, sources, scalars)
-  _host_decisions(prog, attempt)
-  prog.consts = [(id(a), _ConstView(a)) for a in consts[0]] + scalars
-  prog.n_outputs = len(results)
-  prog.runtime_program = (program, consts)
-  prog.donate = _donated(prog, (), attempt._donate_floor)  # checked by the runtime at each run
-  return prog, None

@@ -60,6 +60,8 @@ class _Program:
     self.mapped = mapped  # the function jitted (a donating variant jits it again)
     self.donating = {}  # donated input positions -> that variant, compiled (`prepare_program`)
     self.text_key = text_key
+    self.key = text_key  # what two captures of one step compare
+    self.seed_inputs = ()  # the random key is the runtime's input, not one of the program's
     self.jaxpr = jaxpr
     self.in_split = in_split
     self.out_split = out_split

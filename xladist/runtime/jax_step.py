@@ -52,8 +52,9 @@ _STEP_START = object()
 
 
 def value_id(tensor):
-  """The identity of the array behind a tensor (changes when it is written)."""
-  return _Ident(tensor._elem)
+  """The identity of the array behind a tensor (changes when it is written); an
+  array's own (a program's result)."""
+  return _Ident(getattr(tensor, "_elem", tensor))
 
 
 def creation_index(tensor=None):

@@ -69,16 +69,25 @@ def buffer_ids(tensors, wait):
 
 
 def last_program(outputs=None):
-  """The program computing `outputs` (pending tensors, each once), compiled at
+  """The program computing `outputs` (the tensors a step returned and wrote):
+  those with a pending computation, each value once, are its results; compiled at
   its first `run_program` (none when cached: a capture refused before it runs
-  compiles nothing). Returns (GraphProgram, None, its parameters, outputs)."""
+  compiles nothing). Returns (GraphProgram, None, its parameters, its results)."""
   x = _xlac()
   outputs = list(outputs)
-  ids, params = x._get_tensors_xla_device_data_node(outputs)
+  results, seen = [], set()
+  for t, pending in zip(outputs, x._check_tensor_need_materialization(outputs)):
+    uid = x._unique_id_for_ir_and_data(t)
+    if pending and uid not in seen:
+      seen.add(uid)
+      results.append(t)
+  if not results:
+    return GraphProgram(None, (), None), None, [], []
+  ids, params = x._get_tensors_xla_device_data_node(results)
   seed_id = x._get_seed_info_id()
   seeds = tuple(i for i, tid in enumerate(ids) if tid == seed_id)
-  key = x._get_graph_hash(outputs)
-  return GraphProgram(key, seeds, outputs), None, list(params), outputs
+  key = x._get_graph_hash(results)
+  return GraphProgram(key, seeds, results), None, list(params), results
 
 
 def prepare_program(program, consts, donate):
