@@ -2,8 +2,9 @@
 arguments with their buffer ids before the trace, and after it finds the
 step's program (`runtime.last_program`), maps each input to a slot, an
 argument, the seed, a hyperparameter or a constant and each result to a
-returned leaf or a written slot, runs the captured program (the "graph" form)
-and offers it to its key's entry (promoted when two captures agree).
+returned leaf or a written slot (one way on every runtime), runs the captured
+program where the runtime recorded the step lazily (torch_xla: the "graph"
+form) and offers it to its key's entry (promoted when two captures agree).
 """
 
 import warnings
@@ -260,19 +261,22 @@ class _Attempt:
     index = {}
     for j, r in enumerate(results):
       index.setdefault(_runtime.value_id(r), j)
-    targets, aliases = [(DROP,)] * len(results), []
+    targets, aliases, kept = [(DROP,)] * len(results), [], []
     for t, target in outs:
       j = index.get(_runtime.value_id(t))
       if j is None:
         if target[0] == RET:
           raise _NotCapturable("a returned tensor is not computed by the step")
-        raise _NotCapturable("a state slot was given a value the step did not compute")
+        kept.append(t)  # a slot the step gave a value from outside: it keeps it at a replay
+        continue
       if targets[j][0] == DROP:
         targets[j] = target
       else:
         aliases.append((target, j))
     if all(t[0] == DROP for t in targets):
       raise _NotCapturable("the step computes nothing")
+    if any(self._by_handle.get(h, (None,))[0] == ARG for h in _runtime.buffer_ids(kept)):
+      raise _NotCapturable("a state slot was given an argument of the step (a replay would not)")
     # The program's inputs: device buffers (slots, arguments; one nothing names is
     # fed as it is), the seed, and scalars (host or device tensors: hyperparameters
     # or constants, compared between captures).
