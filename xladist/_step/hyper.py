@@ -265,6 +265,19 @@ def evaluate(expr, groups):
   return _BINARY[kind](evaluate(expr[1], groups), evaluate(expr[2], groups))
 
 
+def reads_state(exprs):
+  """Whether evaluating any of `exprs` reads a host scalar of an optimizer's
+  state (a tensor: `runtime.host_work` makes such reads cheap)."""
+  stack = list(exprs)
+  while stack:
+    expr = stack.pop()
+    if expr[0] == STATE:
+      return True
+    if expr[0] not in (LEAF, CONST):
+      stack.extend(e for e in expr[1:] if isinstance(e, tuple))
+  return False
+
+
 def guards_fail(guards, groups):
   """Words naming the first guard (a host decision of the trace) that would come
   out otherwise now, or None."""

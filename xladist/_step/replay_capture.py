@@ -332,6 +332,8 @@ def _host_decisions(prog, attempt):
   prog.groups = swapped.groups if swapped is not None else {}
   prog.guards = tuple(swapped.guards.items()) if swapped is not None else ()
   prog.counters = tuple(attempt._counters)
+  exprs = [expr for expr, _ in prog.guards] + [e for h in prog.hypers for e in h.exprs]
+  prog.host_reads = bool(prog.counters) or hyper.reads_state(exprs)
 
 
 def _hyper_sources(attempt, sources, consts):

@@ -10,6 +10,7 @@ puts the results where the traced step would have left them (a group of
 `experimental_run_steps`' steps is a program like a step's: replay.py).
 """
 
+import contextlib
 import logging
 import weakref
 
@@ -80,6 +81,7 @@ class _Program:
     "counters",
     "guards",
     "donate",
+    "host_reads",
   )
 
   def fingerprint(self):
@@ -196,8 +198,8 @@ def _inputs(prog, leaves, n, seed):
   """A replay's inputs, in the program's order (slots' current values, the
   arguments' global tensors, constants, the seed), or a `_Traced` saying why
   the step must be traced."""
-  with _runtime.host_work():  # host scalars only: the guards, the hyperparameters
-    failed = _guards_fail(prog)
+  with _runtime.host_work() if prog.host_reads else contextlib.nullcontext():
+    failed = _guards_fail(prog)  # (host scalars only: the guards, the hyperparameters)
     if failed is not None:
       return failed
     memo = {}
@@ -321,6 +323,7 @@ def _program_record(key, slots, sources, targets, aliases, cleared, ret_spec, re
   prog.counters = ()  # the host scalars the step updates: (state, key, expression)
   prog.guards = ()  # (expression, value): the host decisions of the trace (hyper.py)
   prog.donate = ()  # positions of the inputs a run gives up (`_donated`)
+  prog.host_reads = False  # whether its guards or hyperparameters read host tensors
   return prog
 
 

@@ -26,6 +26,7 @@ steps do not donate (docs/performance.md, "Memory").
 import contextlib
 import functools
 import logging
+import operator
 import sys
 
 import numpy as np
@@ -250,6 +251,8 @@ def _fed(program, consts, scalars):
   if not scalars:
     return consts
   fed = program.fed.get(id(consts))
+  if fed is not None and fed[0] is consts and all(map(operator.is_, scalars, fed[1])):
+    return fed[3]  # the same objects as last time (a number unchanged is its cached object)
   if fed is None or fed[0] is not consts:
     jax = _rt().jax
     sizes = {}
