@@ -279,19 +279,18 @@ class Replayer:
     step's arguments have its arguments' shapes, dtypes and placements (between
     the steps of a group no user code runs but the iterator): the k steps
     traced as one program, captured and replayed like a step of their own
-    (`_group_steps`). Returns the steps' results, or None (then they are traced as one program)."""
+    (`_group_steps`). Returns the steps' results, or None (then they are traced
+    as one program)."""
     last = self.last_replayed
     if last is None or not args_list:
       return None
     entry, last_fn, spec, entries = last
     if fn is not last_fn() or not entry.promoted:
       return None
-    leaves_list = []
     for args in args_list:
       leaves, new_spec = flatten((tuple(args), {}))
       if new_spec != spec or [_arg_entry(x) for x in leaves] != entries:
         return None
-      leaves_list.append(leaves)
     return self._group_steps(entry, fn, args_list)
 
   def _group_steps(self, entry, fn, args_list):

@@ -261,13 +261,13 @@ class _Attempt:
     index = {}
     for j, r in enumerate(results):
       index.setdefault(_runtime.value_id(r), j)
-    targets, aliases, kept = [(DROP,)] * len(results), [], []
+    targets, aliases, outside = [(DROP,)] * len(results), [], []
     for t, target in outs:
       j = index.get(_runtime.value_id(t))
       if j is None:
         if target[0] == RET:
           raise _NotCapturable("a returned tensor is not computed by the step")
-        kept.append(t)  # a slot the step gave a value from outside: it keeps it at a replay
+        outside.append(t)  # a slot the step gave a value from outside: it keeps it at a replay
         continue
       if targets[j][0] == DROP:
         targets[j] = target
@@ -275,7 +275,7 @@ class _Attempt:
         aliases.append((target, j))
     if all(t[0] == DROP for t in targets):
       raise _NotCapturable("the step computes nothing")
-    if any(self._by_handle.get(h, (None,))[0] == ARG for h in _runtime.buffer_ids(kept)):
+    if any(self._by_handle.get(h, (None,))[0] == ARG for h in _runtime.buffer_ids(outside)):
       raise _NotCapturable("a state slot was given an argument of the step (a replay would not)")
     # The program's inputs: device buffers (slots, arguments; one nothing names is
     # fed as it is), the seed, and scalars (host or device tensors: hyperparameters

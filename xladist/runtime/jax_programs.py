@@ -56,20 +56,22 @@ class _Program:
   program text: one input instead of dozens, each of which costs a transfer
   per device at every run)."""
 
-  def __init__(self, jitted, text_key, jaxpr, in_split, out_split, layout, mapped=None):
+  def __init__(self, jitted, key, jaxpr, in_split, out_split, layout, mapped=None):
     self.jitted = jitted
     self.mapped = mapped  # the function jitted (a donating variant jits it again)
     self.donating = {}  # donated input positions -> that variant, compiled (`prepare_program`)
-    self.text_key = text_key
-    self.key = text_key  # what two captures of one step compare
+    self.key = key  # the program's text: what two captures of one step compare
     self.seed_inputs = ()  # the random key is the runtime's input, not one of the program's
     self.jaxpr = jaxpr
     self.in_split = in_split
     self.out_split = out_split
     self.layout = layout
-    order = sorted({d for kind, d, _ in layout if kind == "scalar"})
-    # each scalar constant's (vector, position) in the packed form, in layout order
-    self.scalar_at = tuple((order.index(d), j) for kind, d, j in layout if kind == "scalar")
+    # the packed form's scalar vectors: their dtypes, and each scalar constant's
+    # (vector, position), in layout order
+    self.scalar_dtypes = tuple(sorted({d for kind, d, _ in layout if kind == "scalar"}))
+    self.scalar_at = tuple(
+      (self.scalar_dtypes.index(d), j) for kind, d, j in layout if kind == "scalar"
+    )
     self.fed = {}  # id(packed constants) -> what `_fed` last gave them
     self.hlo = None
     self._local = None
@@ -129,9 +131,8 @@ def _unpacking_body(jaxpr, layout):
 _programs = {}
 _last_outputs = []
 _last_program = [None]  # (program, packed constants, key, abstract inputs) of the last step
-_last_io = [
-  None
-]  # its (input arrays, result arrays, scalar constants), until the capture takes them
+# its (input arrays, result arrays, scalar constants), until the capture takes them
+_last_io = [None]
 _sync_callbacks = []
 
 
@@ -255,11 +256,10 @@ def _fed(program, consts, scalars):
     return fed[3]  # the same objects as last time (a number unchanged is its cached object)
   if fed is None or fed[0] is not consts:
     jax = _rt().jax
-    sizes = {}
+    sizes = [0] * len(program.scalar_dtypes)
     for v, j in program.scalar_at:
-      sizes[v] = max(sizes.get(v, 0), j + 1)
-    dtypes = sorted({d for kind, d, _ in program.layout if kind == "scalar"})
-    host = [np.zeros(sizes[v], jax.numpy.dtype(d)) for v, d in enumerate(dtypes)]
+      sizes[v] = max(sizes[v], j + 1)
+    host = [np.zeros(n, jax.numpy.dtype(d)) for n, d in zip(sizes, program.scalar_dtypes)]
     last = [None] * len(scalars)
     if len(program.fed) >= 8:  # the constants of programs replaced since
       program.fed.pop(next(iter(program.fed)))

@@ -111,6 +111,7 @@ class _Runtime:
     self.device_type = device_type
     self.num_devices = num_devices
     self.device = torch_xla.device()  # the one SPMD virtual device, "xla:0"
+    self.device_name = str(self.device)  # as torch_xla's bindings name it (read per replay)
 
 
 def _read_id(path):
@@ -791,7 +792,7 @@ def run_program(program, consts, inputs, donate=()):
   from xladist.runtime import xla_programs
 
   wait()
-  return xla_programs.run_program(program, consts, inputs, donate, str(device()))
+  return xla_programs.run_program(program, consts, inputs, donate, initialize().device_name)
 
 
 def scalar_input(value, dtype):
