@@ -77,11 +77,11 @@ def _number(x):
 
 
 _BINARY = {
-  "add": operator.add,
-  "sub": operator.sub,
-  "mul": operator.mul,
-  "truediv": operator.truediv,
-  "pow": operator.pow,
+  "add": (operator.add, "+"),
+  "sub": (operator.sub, "-"),
+  "mul": (operator.mul, "*"),
+  "truediv": (operator.truediv, "/"),
+  "pow": (operator.pow, "**"),
 }
 _UNARY = {"neg": operator.neg, "pos": operator.pos, "abs": operator.abs}
 
@@ -100,7 +100,7 @@ def _binary(name, fn):
   return op, rop
 
 
-for _name, _fn in _BINARY.items():
+for _name, (_fn, _) in _BINARY.items():
   _op, _rop = _binary(_name, _fn)
   setattr(Hyper, f"__{_name}__", _op)
   setattr(Hyper, f"__r{_name}__", _rop)
@@ -136,12 +136,12 @@ del _name, _fn, _op, _rop
 _guarding = [None]  # the dict of guards of the step being traced, or None
 
 _COMPARE = {
-  "lt": operator.lt,
-  "le": operator.le,
-  "gt": operator.gt,
-  "ge": operator.ge,
-  "eq": operator.eq,
-  "ne": operator.ne,
+  "lt": (operator.lt, "<"),
+  "le": (operator.le, "<="),
+  "gt": (operator.gt, ">"),
+  "ge": (operator.ge, ">="),
+  "eq": (operator.eq, "=="),
+  "ne": (operator.ne, "!="),
 }
 _TO_PLAIN = {"bool": bool, "int": int, "floor": math.floor, "ceil": math.ceil, "trunc": math.trunc}
 
@@ -162,7 +162,7 @@ def _comparison(name, fn):
   return op
 
 
-for _name, _fn in _COMPARE.items():
+for _name, (_fn, _) in _COMPARE.items():
   setattr(Hyper, f"__{_name}__", _comparison(_name, _fn))
 for _name, _fn in _TO_PLAIN.items():
   setattr(
@@ -185,28 +185,9 @@ del _name, _fn
 # reaches C as its value: no method of it is called), so `math.sqrt(bias_correction2)`
 # is an input of the program, not a constant of it.
 _MATH = (
-  "sqrt",
-  "exp",
-  "log",
-  "log2",
-  "log10",
-  "log1p",
-  "expm1",
-  "cos",
-  "sin",
-  "tan",
-  "acos",
-  "asin",
-  "atan",
-  "tanh",
-  "cosh",
-  "sinh",
-  "pow",
-  "fabs",
-  "atan2",
-  "hypot",
-  "copysign",
-)
+  "sqrt exp log log2 log10 log1p expm1 cos sin tan acos asin atan tanh cosh sinh pow fabs "
+  "atan2 hypot copysign"
+).split()
 _MATH_FNS = {name: getattr(math, name) for name in _MATH}
 _math_depth = [0]
 
@@ -257,25 +238,28 @@ def evaluate(expr, groups):
   if kind == "math":
     return _MATH_FNS[expr[1]](*(evaluate(e, groups) for e in expr[2:]))
   if kind in _COMPARE:
-    return _COMPARE[kind](evaluate(expr[1], groups), evaluate(expr[2], groups))
+    return _COMPARE[kind][0](evaluate(expr[1], groups), evaluate(expr[2], groups))
   if kind in _TO_PLAIN:
     return _TO_PLAIN[kind](evaluate(expr[1], groups))
   if kind == "round":
     return round(evaluate(expr[1], groups), expr[2])
-  return _BINARY[kind](evaluate(expr[1], groups), evaluate(expr[2], groups))
+  return _BINARY[kind][0](evaluate(expr[1], groups), evaluate(expr[2], groups))
+
+
+def places(expr):
+  """The hyperparameters and host scalars `expr` reads (its LEAF and STATE nodes)."""
+  if expr[0] in (LEAF, STATE):
+    yield expr
+  elif expr[0] != CONST:
+    for part in expr[1:]:
+      if type(part) is tuple:
+        yield from places(part)
 
 
 def reads_state(exprs):
   """Whether evaluating any of `exprs` reads a host scalar of an optimizer's
   state (a tensor: `runtime.host_work` makes such reads cheap)."""
-  stack = list(exprs)
-  while stack:
-    expr = stack.pop()
-    if expr[0] == STATE:
-      return True
-    if expr[0] not in (LEAF, CONST):
-      stack.extend(e for e in expr[1:] if isinstance(e, tuple))
-  return False
+  return any(p[0] == STATE for e in exprs for p in places(e))
 
 
 def guards_fail(guards, groups):
@@ -303,19 +287,7 @@ def describe(expr):
   if kind == "math":
     return f"math.{expr[1]}({', '.join(describe(e) for e in expr[2:])})"
   if kind in _COMPARE or kind in _BINARY:
-    sign = {
-      "lt": "<",
-      "le": "<=",
-      "gt": ">",
-      "ge": ">=",
-      "eq": "==",
-      "ne": "!=",
-      "add": "+",
-      "sub": "-",
-      "mul": "*",
-      "truediv": "/",
-      "pow": "**",
-    }[kind]
+    sign = (_COMPARE.get(kind) or _BINARY[kind])[1]
     return f"({describe(expr[1])} {sign} {describe(expr[2])})"
   if kind == "round":
     return f"round({describe(expr[1])}, {expr[2]})"

@@ -14,7 +14,7 @@ parameter's step counter.
 import numpy as np
 import torch
 
-from xladist._step.hyper import CONST, LEAF, STATE, _number, evaluate
+from xladist._step.hyper import _number, describe, evaluate, places
 
 
 class Input:
@@ -30,26 +30,8 @@ class Input:
     self.placed = None  # (value, the runtime's scalar holding it)
 
   def names(self):
-    """The hyperparameters the input is made of, as "'lr'", "'betas'[0]"."""
-    found = []
-
-    def walk(expr):
-      if expr[0] == LEAF:
-        name = repr(expr[2]) + ("" if expr[3] is None else f"[{expr[3]}]")
-        if name not in found:
-          found.append(name)
-      elif expr[0] == STATE:
-        name = f"state[{expr[2]!r}]"
-        if name not in found:
-          found.append(name)
-      elif expr[0] != CONST:
-        for part in expr[1:]:
-          if type(part) is tuple:
-            walk(part)
-
-    for e in self.exprs:
-      walk(e)
-    return ", ".join(found)
+    """The hyperparameters the input is made of, as "'lr', 'betas'[0]"."""
+    return ", ".join(dict.fromkeys(describe(p) for e in self.exprs for p in places(e)))
 
   def current(self, groups, memo=None):
     """The value now (in the program's dtype), or None when the candidates

@@ -14,67 +14,10 @@ step would have left them.
 This module is the replayer (keys, promotion, verification, the steps of
 `experimental_run_steps`); replay_slots.py lists where a step's state lives,
 replay_capture.py captures a traced step, replay_program.py holds a captured
-program and feeds it.
-
-What a program reads and writes is found by *capturing* a traced step:
-
-* before the trace, every place a step's state lives (a *slot*: a variable, its
-  gradient, a sync-on-read variable's per-replica components, an optimizer
-  state entry, a tensor hyperparameter) and every argument's global tensor is
-  listed with the identity of its device buffer;
-* after the trace, the program's outputs are the returned tensors and every
-  slot the step wrote; its inputs (the graph's device data, in parameter order)
-  are each a slot, an argument, the random-number seed, an optimizer
-  *hyperparameter* (`hyper.py`: fed its current value at each replay), or a
-  *constant* (a buffer nothing names: a Python scalar torch_xla made device
-  data, a tensor captured from outside), recognised by buffer identity;
-* every trace of a key that can be captured is: compiled (`_xla_warm_up_cache`;
-  the second capture of a key finds the program compiled) and run
-  (`_run_cached_graph`) when `run` returns. A trace that cannot be captured
-  (the first step of an optimizer, which makes its state) stays lazy, as
-  without replay.
-
-Promotion: a step is replayed once two consecutive traces of the same *key*
-described the same program (graph hash, input and output mapping, constant
-buffers or values). The key is the step's signature (`_step_signature`: argument
-shapes, dtypes and shardings, the Python values `fn` reads by name, modules'
-train/eval flags, variables' requires_grad and gradients, whether each
-optimizer hyperparameter is 0, 1 or another number, state sizes) plus what the
-program's mapping assumes: the identities of the variables, optimizers, their
-state and parameter groups, of the objects `fn` reads by name (closure cells,
-globals, default arguments), of the non-tensor objects passed as arguments, the
-grad mode and the strategy's gradient aggregation. A different key traces (and
-is captured in turn).
-
-Random numbers: a replayed program takes torch_xla's seed as an input. The
-seed it gets, and the seed left for what follows, are those the traced step
-would have used and left (`_Seeds`, which also keeps a step's program the same
-when random ops of earlier steps ran since the last sync), so dropout masks are
-the same bit for bit, whether the user syncs after each step or not.
-
-Never replayed (traced as before, and said why with `XLADIST_REPLAY_DEBUG=1`):
-
-* a step that changes state outside the XLA device other than a host step
-  counter (a Python number in an optimizer's state; the counters of torch's
-  default Adam, AdamW, Adagrad replay: a replay adds to them, hyper.py), changes
-  an optimizer's parameter groups
-  (a scheduler stepped inside `fn`), returns a host tensor or an object that is
-  not a plain Python value, or creates state (the first step of an optimizer, a
-  variable made in the step);
-* a step whose inputs are pending (a variable written outside a step and not
-  synced: tracing fuses that write into the step's program);
-* CentralStorageStrategy (its optimizer runs on the host after the program);
-  OneDeviceStrategy and the default strategy call `fn` directly and do not
-  replay. Several hosts and TPUStrategy's logical devices replay (every host
-  traces the same steps, so every host decides alike);
-* replay off (`XLADIST_REPLAY=0`, `RunOptions(experimental_replay=False)`).
-
-`experimental_run_steps(k)`: once its first step is replayed, the other k - 1
-steps run as ONE program (`Replayer.replay_steps`), a *group*: the k - 1 steps
-traced back to back as one program (torch_xla: their random ops one seed
-chain) and captured under the step's key like a step of their own (captured
-twice, then replayed), on every runtime. A call is then two executions and
-traces nothing.
+program and feeds it, hyper.py makes the optimizers' hyperparameters inputs and
+the trace's host decisions on them guards. How a step is captured, its key,
+promotion, random numbers and what is never replayed: docs/architecture.md,
+"How a step is captured, and when it replays".
 
 The contract: `fn`'s Python runs only when the step is traced (as with
 `tf.function` and `jax.jit`): Python side effects (printing, appending to a
@@ -84,8 +27,8 @@ a mutable object's attribute, a dict of models) are those of the last trace.
 Every `XLADIST_REPLAY_VERIFY` steps (default 100; 1: every step; 0: never) a
 step of a replayed key is traced instead and its program compared with the
 capture; a difference means the replayed steps since the last check were
-stale: it is logged and warned about (raised as a RuntimeError when
-`XLADIST_REPLAY_VERIFY` is set), and the new capture replaces the old.
+stale: it is warned about once (raised as a RuntimeError when
+`XLADIST_REPLAY_VERIFY` is set) and the key is traced at every step from then on.
 """
 
 import collections

@@ -26,13 +26,12 @@ from xladist._step.replay_program import (
   SLOT,
   _arg_entry,
   _arg_global,
-  _ConstView,
   _debug,
   _differs,
   _donated,
   _nbytes,
   _NotCapturable,
-  _program_record,
+  _Program,
   _signed,
   _weak,
   _write_back,
@@ -152,12 +151,14 @@ class _Attempt:
     if not self._ready:
       self._cut()
       return result
-    rep = self._replayer
     try:
-      prog, values = self._analyse(result, seed1)
+      prog, values = self._program(result, seed1)
     except _NotCapturable as e:
       # Left lazy, as without replay: the next `strategy.run` (or a read) runs it.
       self._refused(str(e), e.permanent)
+      return result
+    except Exception as e:  # the runtime refused something: the traced step stands
+      self._refused(f"capturing failed ({type(e).__name__}: {e})", True)
       return result
     # What the replays run is compiled now, not at a replay (its settings' errors are the user's).
     _runtime.prepare_program(*prog.runtime_program, prog.donate)
@@ -231,15 +232,6 @@ class _Attempt:
         raise RuntimeError(message)
       warnings.warn(message, RuntimeWarning, stacklevel=4)
 
-  def _analyse(self, result, seed1):
-    """The traced step's program (compiled) and the traced graph's inputs."""
-    try:
-      return self._program(result, seed1)
-    except _NotCapturable:
-      raise
-    except Exception as e:  # torch_xla refused something: the traced step stands
-      raise _NotCapturable(f"capturing failed ({type(e).__name__}: {e})", permanent=True) from e
-
   def _program(self, result, seed1):
     """The traced step's program (`runtime.last_program`), its inputs mapped to
     slots, arguments (by buffer), the seed, hyperparameters and constants (scalars
@@ -296,13 +288,21 @@ class _Attempt:
       draws = seeds.draws_between(self._seed0, seed1)
       if not draws:
         raise _NotCapturable("the step's random-number seed use could not be followed")
-    arrays = [] if consts is None else [(id(a), _ConstView(a)) for a in consts[0]]
-    prog = _program_record(
-      program.key, slots, sources, targets, aliases, cleared, ret_spec, ret_leaves, arrays + scalars
+    arrays = [] if consts is None else [(id(a), a) for a in consts[0]]
+    prog = _Program(
+      program.key,
+      slots,
+      sources,
+      targets,
+      aliases,
+      cleared,
+      ret_spec,
+      ret_leaves,
+      consts=arrays + scalars,
+      runtime_program=(program, consts),
+      draws=draws,
+      hypers=hypers,
     )
-    prog.runtime_program = (program, consts)  # torch_xla: compiled at its first run
-    prog.draws = draws
-    prog.hypers = hypers
     prog.donate = _donated(prog, self._shared, self._donate_floor)
     _host_decisions(prog, self)
     return prog, inputs

@@ -11,6 +11,7 @@ puts the results where the traced step would have left them (a group of
 """
 
 import contextlib
+import dataclasses
 import logging
 import weakref
 
@@ -58,31 +59,33 @@ DROP = 5  # a result nothing keeps (a value of the step no slot or return holds)
 HYPER = 6  # an optimizer hyperparameter (or arithmetic on some): `prog.hypers[i]`
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class _Program:
-  """One captured step program and how to feed it and place its outputs."""
+  """One captured step program (`_capture`'s record) and how to feed it and
+  place its outputs."""
 
-  __slots__ = (
-    "hash",
-    "slots",
-    "sources",
-    "targets",
-    "aliases",
-    "cleared",
-    "ret_spec",
-    "ret_leaves",
-    "draws",
-    "consts",
-    "restamp",
-    "n_outputs",
-    "runtime_program",
-    "starts",
-    "hypers",
-    "groups",
-    "counters",
-    "guards",
-    "donate",
-    "host_reads",
-  )
+  hash: object  # the runtime's program key (its graph hash or text)
+  slots: list  # replay_slots._Slot of every SLOT source and target
+  sources: list  # each input's source: (SLOT, i), (ARG, i), (CONST, value), (SEED,), (HYPER, i)
+  targets: list  # each result's target: (SLOT, i), (RET, j) or (DROP,)
+  aliases: list  # (target, result index): a result a second target takes too
+  cleared: list  # the gradient slots the step set to None
+  ret_spec: object  # the nest of what fn returned
+  ret_leaves: list  # per returned leaf: "stacked", "tensor", ("py", value) or ("hyper", expr)
+  consts: list  # (buffer id, value) of the constants, compared between captures
+  runtime_program: tuple = None  # (program, constants) of `runtime.last_program`
+  draws: int = 0  # random numbers the step draws (torch_xla's seed arithmetic)
+  starts: tuple = ()  # a group's steps: draws before each step's first seed
+  hypers: list = dataclasses.field(default_factory=list)  # hyper_inputs.Input of each HYPER source
+  groups: dict = dataclasses.field(default_factory=dict)  # id -> the groups and states they read
+  counters: tuple = ()  # the host scalars the step updates: (state, key, expression)
+  guards: tuple = ()  # (expression, value): the host decisions of the trace (hyper.py)
+  donate: tuple = ()  # positions of the inputs a run gives up (`_donated`)
+  host_reads: bool = False  # whether its guards or hyperparameters read host tensors
+  restamp: list = dataclasses.field(init=False)  # the sync-on-read variables it writes
+
+  def __post_init__(self):
+    self.restamp = [s.tensor for s in self.slots if s.kind == COPIES]
 
   def fingerprint(self):
     sources = tuple(s if s[0] != CONST else (CONST,) for s in self.sources)
@@ -103,16 +106,23 @@ class _Program:
 
 def _same_constants(a, b):
   """Whether two captures' constants are the same values (same buffers, or equal
-  small tensors: a tensor made afresh by each trace from the same data)."""
-  for x, y in zip(a, b):
-    if x[0] == y[0]:
+  small tensors or arrays: a constant made afresh by each trace from the same data)."""
+  for (hx, x), (hy, y) in zip(a, b):
+    if hx == hy:
       continue
-    tx, ty = x[1], y[1]
-    if tx.shape != ty.shape or tx.dtype != ty.dtype or tx.numel() > 65536:
+    if tuple(x.shape) != tuple(y.shape) or x.dtype != y.dtype or np.prod(x.shape) > 65536:
       return False
-    if not torch.equal(tx.cpu(), ty.cpu()):
+    if not np.array_equal(_host(x), _host(y)):
       return False
   return True
+
+
+def _host(value):
+  """A constant's values in numpy (a torch tensor, or a jax runtime's array)."""
+  if isinstance(value, torch.Tensor):
+    value = value.detach().cpu()
+    return (value.float() if value.dtype == torch.bfloat16 else value).numpy()
+  return np.asarray(value)
 
 
 def _differs(old, new):
@@ -132,25 +142,17 @@ def _differs(old, new):
   return None
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class _Entry:
-  __slots__ = (
-    "program",
-    "promoted",
-    "since_verify",
-    "refused",
-    "failures",
-    "groups",
-    "guard_failures",
-  )
+  """A key's program and its state of promotion."""
 
-  def __init__(self):
-    self.program = None
-    self.promoted = False
-    self.since_verify = 0
-    self.refused = None  # why this key is never replayed, or None
-    self.failures = 0  # captures refused so far (twice: never again)
-    self.groups = {}  # k -> _Entry of k steps after this key's step as one program (torch_xla)
-    self.guard_failures = 0  # replays refused by a guard in a row
+  program: _Program = None
+  promoted: bool = False
+  since_verify: int = 0
+  refused: str = None  # why this key is never replayed, or None
+  failures: int = 0  # captures refused so far (twice: never again)
+  groups: dict = dataclasses.field(default_factory=dict)  # k -> _Entry of k steps as one program
+  guard_failures: int = 0  # replays refused by a guard in a row
 
 
 def _advance(prog):
@@ -302,31 +304,6 @@ def _python_leaf(prog, kind):
   return kind[1]
 
 
-def _program_record(key, slots, sources, targets, aliases, cleared, ret_spec, ret_leaves, consts):
-  """A `_Program` of a capture (`draws` 0 until the caller counts them)."""
-  prog = _Program()
-  prog.hash = key
-  prog.slots = slots
-  prog.sources = sources
-  prog.targets = targets
-  prog.aliases = aliases
-  prog.cleared = cleared
-  prog.ret_spec = ret_spec
-  prog.ret_leaves = ret_leaves
-  prog.draws = 0
-  prog.consts = consts
-  prog.restamp = [s.tensor for s in slots if s.kind == COPIES]
-  prog.n_outputs = len(targets)
-  prog.starts = ()  # a group's steps: draws before each step's first seed
-  prog.hypers = []  # hyper_inputs.Input of each HYPER source
-  prog.groups = {}  # id -> the parameter groups the hypers read
-  prog.counters = ()  # the host scalars the step updates: (state, key, expression)
-  prog.guards = ()  # (expression, value): the host decisions of the trace (hyper.py)
-  prog.donate = ()  # positions of the inputs a run gives up (`_donated`)
-  prog.host_reads = False  # whether its guards or hyperparameters read host tensors
-  return prog
-
-
 _DONATED_KINDS = (VAR, GRAD, OPT)
 DONATE_MIN_BYTES = 16 << 20
 
@@ -376,25 +353,6 @@ def _donated(prog, shared, min_bytes):
       out.append(position)
       size += _nbytes(slot.get(settle=False))
   return tuple(out) if size >= min_bytes else ()
-
-
-class _ConstView:
-  """A constant array seen as `_same_constants` compares them (shape, dtype,
-  size and host values)."""
-
-  def __init__(self, array):
-    self.array = array
-    self.shape = tuple(array.shape)
-    self.dtype = array.dtype
-
-  def numel(self):
-    return int(np.prod(self.shape))
-
-  def cpu(self):
-    value = np.array(self.array)
-    if value.dtype.name == "bfloat16":  # ml_dtypes' bfloat16, which torch cannot take
-      return torch.from_numpy(value.astype(np.float32)).to(torch.bfloat16)
-    return torch.from_numpy(value)
 
 
 class _Traced:
