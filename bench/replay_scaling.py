@@ -46,17 +46,22 @@ def _xladist_ms(strategy, tensors, steps):
     strategy.run(step, args=(x,))
     sched.step()
   strategy.reduce("mean", strategy.run(step, args=(x,)), axis=None).item()
-  before = strategy.extended.experimental_replay_counts
-  start = time.perf_counter()
-  for _ in range(steps):
-    out = strategy.run(step, args=(x,))
-    sched.step()
-  strategy.reduce("mean", out, axis=None).item()
-  ms = (time.perf_counter() - start) / steps * 1000
-  after = strategy.extended.experimental_replay_counts
-  replayed = after["replayed"] - before["replayed"]
-  assert replayed == steps, f"only {replayed} of {steps} timed steps replayed ({after})"
-  return ms
+  # A window with a traced step is timed again: a hyperparameter input's first change
+  # since the capture is confirmed by one trace (with --steps 30, `1 - lr * wd` first
+  # changes in float32 around step 28 of the cosine), which is not the replayed cost.
+  for _ in range(2):
+    before = strategy.extended.experimental_replay_counts
+    start = time.perf_counter()
+    for _ in range(steps):
+      out = strategy.run(step, args=(x,))
+      sched.step()
+    strategy.reduce("mean", out, axis=None).item()
+    ms = (time.perf_counter() - start) / steps * 1000
+    after = strategy.extended.experimental_replay_counts
+    replayed = after["replayed"] - before["replayed"]
+    if replayed == steps:
+      return ms
+  raise AssertionError(f"only {replayed} of {steps} timed steps replayed, twice ({after})")
 
 
 def _jax_ms(tensors, steps):
