@@ -98,31 +98,24 @@ class _Attempt:
     if any(v is None for v in values):
       return self._record("not captured: a state slot has no value")
     # An input is recognised by the identity of its device buffer.
-    arg_tensors = [g for g in globals_ if g is not None]
-    handles = _runtime.buffer_ids(values + arg_tensors)
+    named = [((SLOT, i), v) for i, v in enumerate(values)]
+    named += [((ARG, i), g) for i, g in enumerate(globals_) if g is not None]
+    handles = _runtime.buffer_ids([v for _, v in named])
     if any(h is None for h in handles[: len(values)]):
       return self._record(
         "not captured: a variable or optimizer state has a computation pending (run now)"
       )
-    pending_args = [t for t, h in zip(arg_tensors, handles[len(values) :]) if h is None]
-    if pending_args:
-      _runtime.sync(pending_args)
-      handles = _runtime.buffer_ids(values + arg_tensors)
-    by_handle = {}
-    ambiguous = set()
-    for i, h in enumerate(handles[: len(values)]):
-      if h in by_handle and values[by_handle[h][1]] is not values[i]:
+    if any(h is None for h in handles):  # an argument computed lazily: computed first
+      _runtime.sync([v for (_, v), h in zip(named, handles) if h is None])
+      handles = _runtime.buffer_ids([v for _, v in named])
+    by_handle, first, ambiguous = {}, {}, set()
+    for (source, v), h in zip(named, handles):
+      # one buffer for two slots holding the same tensor is one input; any other
+      # sharing (an argument that is a variable, two slots' distinct views) is refused
+      if h in by_handle and (source[0] == ARG or first[h] is not v):
         ambiguous.add(h)
-      by_handle.setdefault(h, (SLOT, i))
-    k = len(values)
-    for i, g in enumerate(globals_):
-      if g is None:
-        continue
-      h = handles[k]
-      k += 1
-      if h in by_handle:
-        ambiguous.add(h)
-      by_handle.setdefault(h, (ARG, i))
+      by_handle.setdefault(h, source)
+      first.setdefault(h, v)
     self._donate_floor = donate_min_bytes()  # read here: a bad setting is the user's error
     self._shared = _shared_slots(slots, values, self._donate_floor)
     self._slots = slots
