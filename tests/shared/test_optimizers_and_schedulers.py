@@ -224,13 +224,48 @@ def test_one_loop_replays_from_step_4(scheduler, name):
   # guard of the trace fails and the step is traced and captured again (2 traces;
   # with a schedule, a third may confirm a hyperparameter whose value met another's
   # at that capture).
+  # On jax ASGD's `mu` (1/2, 1/3, ... after t0) meets the program's own literals (which
+  # the jax runtime lifts as scalars too): a capture where they meet agrees with one
+  # where they do not (`replay_program._settle_coincidences`; before, 14 traces).
   bound = 7 if name in ("radam-decoupled", "asgd") else 6
-  if name == "asgd" and _runtime.REPLAY_KIND == "program":
-    # jax: ASGD's `mu` (1/2, 1/3, ... after t0) meets the program's own literals,
-    # which the jax runtime lifts as scalars too, and inputs are still matched by
-    # value (issue 40, deliverable 5, open): it replays, after more traces.
-    bound = 14
   assert counts["traced"] <= bound, (name, scheduler, counts, "XLADIST_REPLAY_DEBUG=1 says why")
+
+
+class _FirstBeta:
+  """Sets Adam's beta1 by hand after each step: 0.75 for steps 1 and 2, then 0.8,
+  0.81, ...: at step 2 (the first capture) `1 - beta1` is 0.25, the value of a
+  constant of the program (the mean over the 4 replicas' gradients)."""
+
+  def __init__(self, opt):
+    self.opt, self.n = opt, 0
+    self._set()
+
+  def step(self):
+    self.n += 1
+    self._set()
+
+  def _set(self):
+    beta1 = 0.75 if self.n < 2 else 0.8 + 0.01 * (self.n - 2)
+    for g in self.opt.param_groups:
+      g["betas"] = (beta1, g["betas"][1])
+
+
+def test_a_constant_equal_to_a_hyperparameter_at_one_capture_is_not_taken_for_it():
+  """The first capture (step 2) matches the program's constant 0.25 to `1 - beta1`
+  (equal values); the second (step 3, beta1 0.8) takes it for the constant it is.
+  The two captures agree (`replay_program._settle_coincidences`: a scalar with the
+  same value at both captures, a hyperparameter at one only, is a constant), so the
+  step replays from step 4, equal to plain PyTorch. Before, on jax (whose program
+  takes every float literal as a scalar input) the captures differed and a third one
+  was needed: 4 traces. torch_xla's graph of this step meets no such constant: 3
+  traces before and after."""
+  counts = _check(
+    "adam",
+    None,
+    make_opt=lambda params: torch.optim.Adam(params, lr=1e-2, betas=(0.75, 0.995)),
+    make_scheds=[_FirstBeta],
+  )
+  assert counts["traced"] == 3, counts
 
 
 class _Switching(torch.optim.Optimizer):

@@ -22,12 +22,13 @@ class Input:
   some): its candidate expressions (equal values at the capture), dtype, the
   value it had, and whether two agreeing captures saw it follow them."""
 
-  __slots__ = ("exprs", "dtype", "value", "proven", "placed")
+  __slots__ = ("exprs", "dtype", "value", "proven", "placed", "origin")
 
   def __init__(self, exprs, dtype, value):
     self.exprs, self.dtype, self.value = exprs, dtype, value
     self.proven = False
     self.placed = None  # (value, the runtime's scalar holding it)
+    self.origin = None  # the capture's constant entry (handle, scalar) it was matched from
 
   def names(self):
     """The hyperparameters the input is made of, as "'lr', 'betas'[0]"."""

@@ -32,6 +32,7 @@ from xladist._step.replay_program import (
   _nbytes,
   _NotCapturable,
   _Program,
+  _settle_coincidences,
   _signed,
   _weak,
   _write_back,
@@ -197,6 +198,8 @@ class _Attempt:
       entry.promoted = False
       return
     what = _differs(old, prog)
+    if what is not None and _settle_coincidences(old, prog):
+      what = _differs(old, prog)
     if what is None:
       hyper_inputs.agree(old.hypers, prog.hypers)
       entry.promoted = True
@@ -349,9 +352,11 @@ def _hyper_sources(attempt, sources, consts):
     [(sources[i][1].cpu().item(), sources[i][1].dtype) for i in scalar], made
   )
   inputs, dropped = [], set()
+  entries = {id(c[1]): c for c in consts}
   for i, h in zip(scalar, found):
     if h is not None:
       dropped.add(id(sources[i][1]))
+      h.origin = entries[id(sources[i][1])]
       sources[i] = (HYPER, len(inputs))
       inputs.append(h)
   consts[:] = [c for c in consts if id(c[1]) not in dropped]

@@ -142,6 +142,55 @@ def _differs(old, new):
   return None
 
 
+def _settle_coincidences(old, new):
+  """Where one capture took a program scalar for a hyperparameter and the other for
+  a constant, and the scalar had the same value at both, the match was a coincidence
+  of values at one capture (a constant of the model, 1/6, equal to a cycling
+  `1 - beta1` at one step): both take it for the constant (what the scalar is at
+  either capture). Returns whether there was any."""
+  if old.hash != new.hash or len(old.sources) != len(new.sources):
+    return False
+  flips = [
+    p
+    for p, (a, b) in enumerate(zip(old.sources, new.sources))
+    if {a[0], b[0]} == {CONST, HYPER} and _scalar_value(old, a) == _scalar_value(new, b)
+  ]
+  for prog in (old, new):
+    _to_constants(prog, [p for p in flips if prog.sources[p][0] == HYPER])
+  return bool(flips)
+
+
+def _scalar_value(prog, source):
+  if source[0] == HYPER:
+    return prog.hypers[source[1]].value
+  value = source[1]
+  return float(value.cpu()) if isinstance(value, torch.Tensor) and value.dim() == 0 else None
+
+
+def _to_constants(prog, positions):
+  """Makes the HYPER sources at `positions` constants again (the scalar each was
+  matched from), numbering the other HYPER sources afresh."""
+  if not positions:
+    return
+  sources = prog.sources
+  origin = {p: prog.hypers[sources[p][1]].origin for p in positions}  # (handle, scalar)
+  # The constants compared between captures: the runtime's arrays, then the
+  # (handle, value) of each tensor source, in source order.
+  entries = {id(c[1]): c for c in prog.consts}
+  tensors = sum(1 for s in sources if s[0] == CONST and isinstance(s[1], torch.Tensor))
+  consts, hypers = prog.consts[: len(prog.consts) - tensors], []
+  for p, s in enumerate(sources):
+    if p in origin:
+      sources[p] = (CONST, origin[p][1])
+      consts.append(origin[p])
+    elif s[0] == HYPER:
+      sources[p] = (HYPER, len(hypers))
+      hypers.append(prog.hypers[s[1]])
+    elif s[0] == CONST and isinstance(s[1], torch.Tensor):
+      consts.append(entries[id(s[1])])
+  prog.consts, prog.hypers = consts, hypers
+
+
 @dataclasses.dataclass(slots=True, eq=False)
 class _Entry:
   """A key's program and its state of promotion."""
