@@ -226,7 +226,8 @@ def test_one_loop_replays_from_step_4(scheduler, name):
   # at that capture).
   # On jax ASGD's `mu` (1/2, 1/3, ... after t0) meets the program's own literals (which
   # the jax runtime lifts as scalars too): a capture where they meet agrees with one
-  # where they do not (`replay_program._settle_coincidences`; before, 14 traces).
+  # where they do not (`replay_program._settle_coincidences`; before, the bound on jax
+  # was 14).
   bound = 7 if name in ("radam-decoupled", "asgd") else 6
   assert counts["traced"] <= bound, (name, scheduler, counts, "XLADIST_REPLAY_DEBUG=1 says why")
 
@@ -234,7 +235,8 @@ def test_one_loop_replays_from_step_4(scheduler, name):
 class _FirstBeta:
   """Sets Adam's beta1 by hand after each step: 0.75 for steps 1 and 2, then 0.8,
   0.81, ...: at step 2 (the first capture) `1 - beta1` is 0.25, the value of a
-  constant of the program (the mean over the 4 replicas' gradients)."""
+  scalar constant of the jax program (with `_settle_coincidences` off, the captures
+  differ there: 4 traces, checked by hand)."""
 
   def __init__(self, opt):
     self.opt, self.n = opt, 0

@@ -61,8 +61,8 @@ HYPER = 6  # an optimizer hyperparameter (or arithmetic on some): `prog.hypers[i
 
 @dataclasses.dataclass(slots=True, eq=False)
 class _Program:
-  """One captured step program (`_capture`'s record) and how to feed it and
-  place its outputs."""
+  """One captured step program (what `_Attempt._program` records) and how to
+  feed it and place its outputs."""
 
   hash: object  # the runtime's program key (its graph hash or text)
   slots: list  # replay_slots._Slot of every SLOT source and target
