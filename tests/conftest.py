@@ -7,13 +7,11 @@ os.environ.setdefault("CPU_NUM_DEVICES", "4")
 # Compilation counts are part of what the tests check: no persistent cache here
 # (tests/test_runtime_defaults.py turns it on where it is the subject).
 os.environ.setdefault("XLADIST_COMPILE_CACHE", "off")
-# XLA:CPU compiles the tests' programs without LLVM's costly optimizations: a
-# third less CPU time for the suite (docs/testing.md), the same HLO and the same
-# ops. Subprocesses inherit it. XLADIST_TEST_XLA_OPT=1 keeps XLA's defaults.
-_CHEAP_CODEGEN = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
-if os.environ.get("XLADIST_TEST_XLA_OPT", "") != "1":
-  _flags = os.environ.get("XLA_FLAGS", "").split()
-  os.environ["XLA_FLAGS"] = " ".join(_flags + [f for f in _CHEAP_CODEGEN if f not in _flags])
+# XLA:CPU compiles the tests' programs cheaply (no costly LLVM passes; on
+# torch_xla its older fusion emitters): tests/_xla_flags.py. Subprocesses inherit it.
+from _xla_flags import with_cheap_codegen  # noqa: E402
+
+os.environ["XLA_FLAGS"] = with_cheap_codegen(os.environ.get("XLA_FLAGS", ""))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

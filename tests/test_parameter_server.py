@@ -130,7 +130,7 @@ def test_a_normal_run_ends_quietly():
   env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
   script = HERE.parent / "examples" / "parameter_server.py"
   proc = subprocess.run(
-    [sys.executable, str(script), "--steps", "100"],
+    [sys.executable, str(script), "--steps", "200"],
     env=env,
     capture_output=True,
     text=True,

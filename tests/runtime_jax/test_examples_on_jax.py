@@ -14,6 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+import _xla_flags  # noqa: E402
 import test_examples  # noqa: E402  (the shortened charlm flags)
 
 
@@ -23,7 +24,7 @@ def _run(args, timeout=300):
     os.environ,
     XLADIST_BACKEND="jax",
     JAX_PLATFORMS="cpu",
-    XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    XLA_FLAGS=_xla_flags.for_child(4),
     PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
   )
   proc = subprocess.run(

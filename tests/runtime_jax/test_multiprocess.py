@@ -40,6 +40,7 @@ HERE = pathlib.Path(__file__).parent
 sys.path.insert(0, str(HERE.parent))  # tests/: the shared models
 
 import _models  # noqa: E402
+import _xla_flags  # noqa: E402
 
 WORKER = HERE / "_mwms_worker.py"
 TOL = 1e-6
@@ -62,7 +63,7 @@ def _free_ports(n):
 def _env(devices, tf_config=None, **extra):
   env = dict(os.environ)
   for name in list(env):
-    if name.startswith(("XLADIST_JAX_", "JAX_COORDINATOR")) or name in ("TF_CONFIG", "XLA_FLAGS"):
+    if name.startswith(("XLADIST_JAX_", "JAX_COORDINATOR")) or name == "TF_CONFIG":
       del env[name]
   env.update(
     XLADIST_BACKEND="jax",
@@ -70,6 +71,7 @@ def _env(devices, tf_config=None, **extra):
     JAX_DEFAULT_MATMUL_PRECISION="highest",
     CPU_NUM_DEVICES=str(devices),
     XLADIST_COMPILE_CACHE="off",
+    XLA_FLAGS=_xla_flags.for_child(),  # its device count: CPU_NUM_DEVICES
     PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parent.parent), env.get("PYTHONPATH")])),
     **extra,
   )

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import _xla_flags  # noqa: E402
 import test_readme  # noqa: E402  (tests/test_readme.py: the blocks and the checks)
 
 
@@ -20,7 +21,7 @@ def test_marked_blocks_run_unchanged_on_jax(tmp_path):
     {
       "XLADIST_BACKEND": "jax",
       "JAX_PLATFORMS": "cpu",
-      "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+      "XLA_FLAGS": _xla_flags.for_child(4),
       "JAX_DEFAULT_MATMUL_PRECISION": "highest",
     },
   )

@@ -186,6 +186,8 @@ def _child(n):
 
 
 def _run_child(n):
+  import _xla_flags  # tests/ (on the path in pytest, not in the child)
+
   env = dict(os.environ)
   env.update(
     XLADIST_BACKEND="jax",
@@ -195,7 +197,7 @@ def _run_child(n):
     XLADIST_COMPILE_CACHE="off",
     PYTHONPATH=os.pathsep.join([REPO] + [p for p in [env.get("PYTHONPATH")] if p]),
   )
-  env.pop("XLA_FLAGS", None)
+  env["XLA_FLAGS"] = _xla_flags.for_child()  # its device count: CPU_NUM_DEVICES
   # subprocess.run kills the child when the timeout expires.
   proc = subprocess.run(
     [sys.executable, os.path.abspath(__file__), "--child", str(n)],

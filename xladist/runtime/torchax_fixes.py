@@ -210,20 +210,37 @@ def _recorded_under_autograd(lowered, name):
   return method
 
 
+_operand_types = []  # torchax's tensor types, host tensors' and storages', device names'
+
+
 def _operands(txt, args, kwargs):
   """ "jax" when an op has a torchax tensor or view operand or names the jax device,
-  else "host" when it has host tensors or storages, else None (no tensor operand)."""
-  import torch.utils._pytree as pytree
-  from torchax import view
+  else "host" when it has host tensors or storages, else None (no tensor operand).
+  Every op goes through it: the operands are walked by hand (tuples, lists and
+  dicts' values, where torch's pytree finds them), not with torch's pytree."""
+  if not _operand_types:
+    from torchax import view
 
-  torch = _torch()
+    torch = _torch()
+    _operand_types[:] = [
+      (txt.Tensor, view.View),
+      (torch.Tensor, torch.UntypedStorage, torch.TypedStorage),
+      (str, torch.device),
+    ]
+  on_jax, on_host, names = _operand_types
   host = None
-  for a in pytree.tree_leaves((args, kwargs)):
-    if isinstance(a, (txt.Tensor, view.View)):
+  todo = [args, kwargs]
+  while todo:
+    a = todo.pop()
+    if isinstance(a, (tuple, list)):
+      todo.extend(a)
+    elif isinstance(a, dict):
+      todo.extend(a.values())
+    elif isinstance(a, on_jax):
       return "jax"
-    if isinstance(a, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage)):
+    elif isinstance(a, on_host):
       host = "host"
-    elif isinstance(a, (str, torch.device)) and str(a).split(":")[0] in _JAX_DEVICES:
+    elif isinstance(a, names) and str(a).split(":")[0] in _JAX_DEVICES:
       return "jax"  # a move to the jax device (`t.to("jax")`) is torchax's
   return host
 

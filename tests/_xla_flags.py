@@ -1,0 +1,46 @@
+"""XLA_FLAGS for the tests' processes (tests/conftest.py puts them in this process's
+environment; the processes a test starts inherit them).
+
+XLA:CPU compiles the tests' programs without LLVM's costly optimizations, and on
+torch_xla with its older fusion emitters (XLA's LLVM IR emitters, not the MLIR ones):
+the same HLO, the same ops and collectives, less CPU time (docs/testing.md: the
+torch_xla suite alone 630 CPU-s with the MLIR emitters, 475 with the older ones).
+jax 0.12's XLA has no `--xla_cpu_use_fusion_emitters`, and the jax suites' time is
+Python's, so the jax runtime keeps its emitters. `XLADIST_TEST_XLA_OPT=1` keeps
+XLA's defaults; `XLADIST_TEST_DEFAULT_EMITTERS=1` only the default emitters.
+"""
+
+import os
+
+CHEAP_CODEGEN = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+OLDER_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+_DEVICE_COUNT = "--xla_force_host_platform_device_count="
+
+
+def default_emitters():
+  """Whether this process's XLA:CPU uses its default fusion emitters."""
+  return OLDER_EMITTERS not in os.environ.get("XLA_FLAGS", "").split()
+
+
+def with_cheap_codegen(flags):
+  """`flags` (an XLA_FLAGS string) with CHEAP_CODEGEN added (and OLDER_EMITTERS on
+  torch_xla), unless XLADIST_TEST_XLA_OPT=1."""
+  parts = (flags or "").split()
+  if os.environ.get("XLADIST_TEST_XLA_OPT", "") == "1":
+    return " ".join(parts)
+  cheap = list(CHEAP_CODEGEN)
+  if (
+    os.environ.get("XLADIST_BACKEND", "") != "jax"
+    and os.environ.get("XLADIST_TEST_DEFAULT_EMITTERS", "") != "1"
+  ):
+    cheap.append(OLDER_EMITTERS)
+  return " ".join(parts + [f for f in cheap if f not in parts])
+
+
+def for_child(devices=None):
+  """XLA_FLAGS for a child process: this process's, without its virtual device count
+  (a jax child takes `CPU_NUM_DEVICES`, or `devices` here), with CHEAP_CODEGEN."""
+  parts = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT)]
+  if devices is not None:
+    parts.append(f"{_DEVICE_COUNT}{devices}")
+  return with_cheap_codegen(" ".join(parts))
