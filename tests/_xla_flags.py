@@ -1,20 +1,33 @@
 """XLA_FLAGS for the tests' processes (tests/conftest.py puts them in this process's
 environment; the processes a test starts inherit them).
 
-XLA:CPU compiles the tests' programs without LLVM's costly optimizations, and on
-torch_xla with its older fusion emitters (XLA's LLVM IR emitters, not the MLIR ones):
-the same HLO, the same ops and collectives, less CPU time (docs/testing.md: the
-torch_xla suite alone 630 CPU-s with the MLIR emitters, 475 with the older ones).
-jax 0.12's XLA has no `--xla_cpu_use_fusion_emitters`, and the jax suites' time is
-Python's, so the jax runtime keeps its emitters. `XLADIST_TEST_XLA_OPT=1` keeps
-XLA's defaults; `XLADIST_TEST_DEFAULT_EMITTERS=1` only the default emitters.
+XLA:CPU compiles the tests' programs without LLVM's costly optimizations, and with
+its older fusion emitters (XLA's LLVM IR emitters, not the MLIR ones) where its
+version has them: the same HLO, the same ops and collectives, less CPU time
+(docs/testing.md: the torch_xla suite alone 630 CPU-s with the MLIR emitters, 475
+with the older ones). torch_xla 2.9's XLA and jaxlib 0.10's have the flag (checked);
+jaxlib 0.12's has only the MLIR emitters and aborts on it. `XLADIST_TEST_XLA_OPT=1`
+keeps XLA's defaults; `XLADIST_TEST_DEFAULT_EMITTERS=1` only the default emitters.
 """
 
+import importlib.metadata
 import os
 
 CHEAP_CODEGEN = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
 OLDER_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 _DEVICE_COUNT = "--xla_force_host_platform_device_count="
+
+
+def _has_older_emitters():
+  """Whether this process's XLA takes OLDER_EMITTERS: torch_xla's (the default
+  runtime), or jaxlib's before 0.11 on the jax runtime."""
+  if os.environ.get("XLADIST_BACKEND", "") != "jax":
+    return True
+  try:
+    version = importlib.metadata.version("jaxlib")
+  except importlib.metadata.PackageNotFoundError:
+    return False
+  return tuple(int(p) for p in version.split(".")[:2]) < (0, 11)
 
 
 def default_emitters():
@@ -23,16 +36,13 @@ def default_emitters():
 
 
 def with_cheap_codegen(flags):
-  """`flags` (an XLA_FLAGS string) with CHEAP_CODEGEN added (and OLDER_EMITTERS on
-  torch_xla), unless XLADIST_TEST_XLA_OPT=1."""
+  """`flags` (an XLA_FLAGS string) with CHEAP_CODEGEN added (and OLDER_EMITTERS
+  where XLA has them), unless XLADIST_TEST_XLA_OPT=1."""
   parts = (flags or "").split()
   if os.environ.get("XLADIST_TEST_XLA_OPT", "") == "1":
     return " ".join(parts)
   cheap = list(CHEAP_CODEGEN)
-  if (
-    os.environ.get("XLADIST_BACKEND", "") != "jax"
-    and os.environ.get("XLADIST_TEST_DEFAULT_EMITTERS", "") != "1"
-  ):
+  if os.environ.get("XLADIST_TEST_DEFAULT_EMITTERS", "") != "1" and _has_older_emitters():
     cheap.append(OLDER_EMITTERS)
   return " ".join(parts + [f for f in cheap if f not in parts])
 
