@@ -7,8 +7,8 @@ os.environ.setdefault("CPU_NUM_DEVICES", "4")
 # Compilation counts are part of what the tests check: no persistent cache here
 # (tests/test_runtime_defaults.py turns it on where it is the subject).
 os.environ.setdefault("XLADIST_COMPILE_CACHE", "off")
-# XLA:CPU compiles the tests' programs cheaply (no costly LLVM passes; on
-# torch_xla its older fusion emitters): tests/_xla_flags.py. Subprocesses inherit it.
+# XLA:CPU compiles the tests' programs cheaply (no costly LLVM passes; its older
+# fusion emitters where it has them): tests/_xla_flags.py. Subprocesses inherit it.
 from _xla_flags import with_cheap_codegen  # noqa: E402
 
 os.environ["XLA_FLAGS"] = with_cheap_codegen(os.environ.get("XLA_FLAGS", ""))
