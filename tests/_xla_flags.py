@@ -54,3 +54,11 @@ def for_child(devices=None):
   if devices is not None:
     parts.append(f"{_DEVICE_COUNT}{devices}")
   return with_cheap_codegen(" ".join(parts))
+
+
+def default_emitters_env():
+  """The environment of a child process that uses XLA:CPU's default fusion
+  emitters: this process's, without OLDER_EMITTERS (its conftest adds them no more)."""
+  env = dict(os.environ, XLADIST_TEST_DEFAULT_EMITTERS="1")
+  env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if f != OLDER_EMITTERS)
+  return env

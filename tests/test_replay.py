@@ -1006,10 +1006,7 @@ def test_run_steps_with_replayed_steps_is_bit_identical(monkeypatch):
   emitters, in a process of its own when this one has the tests' older ones
   (tests/_xla_flags.py: there one loss of 24 came out 1 ulp apart, 2.4e-7)."""
   if not _xla_flags.default_emitters():
-    env = dict(os.environ, XLADIST_TEST_DEFAULT_EMITTERS="1")
-    env["XLA_FLAGS"] = " ".join(
-      f for f in env["XLA_FLAGS"].split() if f != _xla_flags.OLDER_EMITTERS
-    )
+    env = _xla_flags.default_emitters_env()
     test = f"{os.path.abspath(__file__)}::test_run_steps_with_replayed_steps_is_bit_identical"
     proc = subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],

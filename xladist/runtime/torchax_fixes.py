@@ -221,22 +221,23 @@ def _recorded_under_autograd(lowered, name):
   return method
 
 
-_operand_types = []  # torchax's tensor types, host tensors' and storages', device names'
+def _operand_types(txt):
+  """(torchax's tensor types, host tensors' and storages', device names') for
+  `_operands`: made once by `install()`, which imports torchax."""
+  from torchax import view
+
+  torch = _torch()
+  return (
+    (txt.Tensor, view.View),
+    (torch.Tensor, torch.UntypedStorage, torch.TypedStorage),
+    (str, torch.device),
+  )
 
 
-def _operands(txt, args, kwargs):
+def _operands(operand_types, args, kwargs):
   """ "jax" when an op has a torchax tensor or view operand or names the jax device,
   else "host" when it has host tensors or storages, else None (no tensor operand)."""
-  if not _operand_types:
-    from torchax import view
-
-    torch = _torch()
-    _operand_types[:] = [
-      (txt.Tensor, view.View),
-      (torch.Tensor, torch.UntypedStorage, torch.TypedStorage),
-      (str, torch.device),
-    ]
-  on_jax, on_host, names = _operand_types
+  on_jax, on_host, names = operand_types
   host = None
   for a in _leaves(args, kwargs):
     if isinstance(a, on_jax):
@@ -248,10 +249,10 @@ def _operands(txt, args, kwargs):
   return host
 
 
-def _host_only(txt, args, kwargs):
+def _host_only(operand_types, args, kwargs):
   """Whether an op's operands are host tensors or storages, none a torchax
   tensor or view (fix 7). Ops without tensor operands (factories) are not."""
-  return _operands(txt, args, kwargs) == "host"
+  return _operands(operand_types, args, kwargs) == "host"
 
 
 _JAX_DEVICES = ("jax", "privateuseone")
@@ -324,6 +325,7 @@ def install():
   fixed = {*decomposed, *lowered, *inplace_views}
   fixed |= {op.overloadpacket for op in fixed}
   autocast_policy = _autocast_policy_by_name()
+  operand_types = _operand_types(txt)
 
   def torch_function(self, func, types, args=(), kwargs=None):
     kwargs = kwargs or {}
@@ -332,11 +334,11 @@ def install():
       # xladist's host scalars: their rules first (a mode comes before a subclass).
       # Their op alone: a host op (torch's own); as an operand of a jax tensor's op
       # they enter as a number, and the op is lowered as usual.
-      if _host_only(txt, args, kwargs):
+      if _host_only(operand_types, args, kwargs):
         with torch.utils._python_dispatch._disable_current_modes():
           return own(func, types, args, kwargs)
       return own(func, types, args, kwargs)
-    if _host_only(txt, args, kwargs):
+    if _host_only(operand_types, args, kwargs):
       with torch.utils._python_dispatch._disable_current_modes(), torch._C.DisableTorchFunction():
         return func(*args, **kwargs)  # fix 7
     if kwargs.get("out") is not None and not isinstance(
@@ -378,7 +380,7 @@ def install():
 
   def torch_dispatch(self, func, types, args=(), kwargs=None):
     kwargs = kwargs or {}
-    operands = _operands(txt, args, kwargs)  # once per op: this is every op's path
+    operands = _operands(operand_types, args, kwargs)  # once per op: this is every op's path
     if operands == "host":
       # torchax's mode is on for the whole process (the jax runtime enables it
       # globally): ops of host tensors and storages (`copy.deepcopy` of a CPU
