@@ -86,10 +86,11 @@ test-jax-ecosystem: venv venv-jax
 	@$(call TIMED,$(call ecosystem_groups,$(JAX_TEST_ENV) XLA_FLAGS=--xla_force_host_platform_device_count=4 \
 	  JAX_DEFAULT_MATMUL_PRECISION=highest $(JAX_PY)))
 
-# The inner loop (at most 3 minutes): lint and the tests a change most often
-# breaks (the step engine, replay, variables, the runtime contract) on torch_xla.
+# The inner loop (at most 3 minutes): lint, the unit tests (tests/unit: the pure
+# pieces, no XLA compile, seconds), then the tests a change most often breaks (the
+# step engine, replay, variables, the runtime contract) on torch_xla.
 # `make test` (everything, both runtimes) before a change lands.
-CHECK_TESTS := tests/test_replay.py tests/test_run_steps.py tests/test_variables.py \
+CHECK_TESTS := tests/unit tests/test_replay.py tests/test_run_steps.py tests/test_variables.py \
 	tests/test_tf_variables.py tests/test_compile_watch.py tests/test_strategy.py \
 	tests/test_training.py tests/test_replica_context.py tests/test_values.py \
 	tests/test_losses_and_clipping.py tests/shared tests/runtime_contract

@@ -511,6 +511,9 @@ def bench_model(name, strategy, replay_strategy, args, adamw_strategy=None):
   moved = max(float((p - q).abs().max()) for p, q in zip(hw_p, init))
   scale = max(float(p.abs().max()) for p in hw_p)
 
+  guards = {"sgd": _guard_cost(replay_strategy)}
+  if adamw_strategy is not None:
+    guards["adamw-cosine"] = _guard_cost(adamw_strategy)
   prof = None
   if args.profile:
     prof = [profile_text(v, args.profile, args.top, name) for v in variants]
@@ -528,7 +531,21 @@ def bench_model(name, strategy, replay_strategy, args, adamw_strategy=None):
     warm_s=warm_s,
     adamw=adamw,
     prof=prof,
+    guards=guards,
   )
+
+
+def _guard_cost(strategy, calls=2000):
+  """(locations the replayed step's key reads, microseconds to read them all):
+  the guards from the trace (issue 50) checked before every replay."""
+  replayer = strategy.extended._engine._replayer
+  watched = list(replayer._reads.values()) if replayer is not None else []
+  count = sum(len(w.locations) for w in watched)
+  t = perf()
+  for _ in range(calls):
+    for w in watched:
+      w.key()
+  return count, (perf() - t) / calls * 1e6
 
 
 def med(xs):
@@ -537,6 +554,12 @@ def med(xs):
 
 def report(results):
   print()
+  for res in results:
+    for loop, (count, us) in res["guards"].items():
+      print(
+        f"guards from the trace, {res['name']} {loop}: {count} locations read before each "
+        f"replay, {us:.1f} us to read them"
+      )
   for res in results:
     for vname, rec in res["recs"].items():
       print(

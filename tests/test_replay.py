@@ -48,7 +48,8 @@ def _replay_default():
 
 N = 4
 B = 3  # per-replica batch
-FLAG = {"scale": 1.0}  # a global read through a helper (not watched): see test_verification_*
+FLAG = {"scale": 1.0}  # a global dict read through a helper (guarded, issue 50)
+SCALES = [1.0]  # read through a helper at a computed index (not guarded): test_verification_*
 SCALE = 1.0  # a global plain value read by name (watched)
 
 
@@ -922,7 +923,53 @@ def test_logical_devices_replay_bit_identical_to_retracing(monkeypatch):
 
 
 def _helper_scale():
-  return FLAG["scale"]  # read through another function and a dict: not watched
+  # Read through another function and an item of a list at a computed index: what
+  # the trace's guards do not follow (python_effects.py guards a dict's items
+  # under constant keys, not a list's), so only the verification trace sees it.
+  return SCALES[len(SCALES) - 1]
+
+
+def test_a_value_read_through_a_helper_and_a_dict_is_guarded(monkeypatch, strategy):
+  """Issue 50: a helper's read of a module-level dict (`FLAG["scale"]`) is recorded
+  while the step is traced: its change at step 6 traces the step again (no
+  verification needed), and the weights equal those of replay off."""
+  monkeypatch.setenv("XLADIST_REPLAY_VERIFY", "0")
+
+  def run(replay):
+    monkeypatch.setenv("XLADIST_REPLAY", "1" if replay else "0")
+    s = xd.MirroredStrategy()
+    torch.manual_seed(0)
+    with s.scope():
+      model = _mlp()
+      opt = _sgd(model.parameters())
+
+    def step(x):
+      loss = model(x).square().mean() * _dict_scale()
+      opt.zero_grad()
+      loss.backward()
+      opt.step()
+      return loss
+
+    x = _split(s, torch.ones(N * B, 8))
+    try:
+      for i in range(10):
+        FLAG["scale"] = 2.0 if i >= 5 else 1.0
+        s.run(step, args=(x,))
+        torch_xla.sync()
+    finally:
+      FLAG["scale"] = 1.0
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}, _replayer(s)
+
+  got, rep = run(True)
+  want, _ = run(False)
+  _exact(got, want)
+  assert rep.replays >= 4, list(rep.reasons)
+  changed = [why for _, why in rep.reasons if "FLAG['scale'] (1.0 -> 2.0)" in why]
+  assert len(changed) == 1, list(rep.reasons)
+
+
+def _dict_scale():
+  return FLAG["scale"]
 
 
 def _unwatched_run(strategy, steps, change_at):
@@ -940,7 +987,7 @@ def _unwatched_run(strategy, steps, change_at):
   x = _split(strategy, torch.ones(N * B, 8))
   for i in range(steps):
     if i == change_at:
-      FLAG["scale"] = 2.0
+      SCALES[-1] = 2.0
     strategy.run(step, args=(x,))
     torch_xla.sync()
   return model
@@ -952,7 +999,7 @@ def test_verification_catches_an_unwatched_change_and_raises_when_set(monkeypatc
     with pytest.raises(RuntimeError, match=r"replayed steps were stale: a verification trace"):
       _unwatched_run(strategy, 12, change_at=5)
   finally:
-    FLAG["scale"] = 1.0
+    SCALES[-1] = 1.0
 
 
 def test_a_verification_mismatch_stops_replay_of_the_key_and_warns_once(monkeypatch, strategy):
@@ -965,7 +1012,7 @@ def test_a_verification_mismatch_stops_replay_of_the_key_and_warns_once(monkeypa
       warnings.simplefilter("always")
       _unwatched_run(strategy, 14, change_at=5)
   finally:
-    FLAG["scale"] = 1.0
+    SCALES[-1] = 1.0
   stale = [w for w in caught if "replayed steps were stale" in str(w.message)]
   assert len(stale) == 1, [str(w.message) for w in caught]
   assert "a different graph" in str(stale[0].message) or "other constants" in str(stale[0].message)

@@ -113,18 +113,28 @@ class StrategyExtended(abc.ABC):
 
   @property
   def experimental_replay_counts(self):
-    """How this strategy's steps ran so far: {"traced": n, "replayed": n}.
+    """How this strategy's steps ran so far: {"traced": n, "replayed": n,
+    "traced_for_writes": n}.
 
     A traced step ran `fn`'s Python (its first steps, and each step whose key
     changed: see README, "Replay"); a replayed step ran the step's compiled
-    program again without it. Strategies that call `fn` directly (OneDevice,
-    the default strategy) count every step as traced."""
+    program again without it. `traced_for_writes` counts the traced steps that
+    were not replayed because their Python writes state outside the program (a
+    counter, a helper's attribute, a list, the host random generators, a print):
+    the captures refused for it and the later steps of the same key (a step whose
+    key changes at every step anyway is traced without being looked at).
+    Strategies that call `fn` directly (OneDevice, the default strategy) count
+    every step as traced."""
     engine = getattr(self, "_engine", None)
     replayer = getattr(engine, "_replayer", None)
     if replayer is None:
       watch = getattr(self, "_compile_watch", None)
-      return {"traced": getattr(watch, "steps", 0), "replayed": 0}
-    return {"traced": replayer.traces, "replayed": replayer.replays}
+      return {"traced": getattr(watch, "steps", 0), "replayed": 0, "traced_for_writes": 0}
+    return {
+      "traced": replayer.traces,
+      "replayed": replayer.replays,
+      "traced_for_writes": replayer.writes,
+    }
 
   @property
   def experimental_compile_explanations(self):

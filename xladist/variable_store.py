@@ -689,7 +689,7 @@ class Step:
     self.optimizers = []  # (optimizer, state snapshot)
     self.stepped = set()  # ids of parameters an optimizer stepped
     # id(parameter) -> its gradient aggregated across replicas in this step
-    # (by gradient clipping before optimizer.step(); see _grad_clip.py).
+    # (by gradient clipping before optimizer.step(); see _step/grad_clip.py).
     self.aggregated_grads = {}
     self.variable_ids = None
     self._ids = {}  # id(tensor) -> IR id when entered

@@ -72,12 +72,10 @@ def test_replayed_steps_equal_traced_steps_bit_for_bit(dropout):
 
 def test_fn_python_runs_only_when_traced_and_nothing_compiles_after_warm_up():
   strategy = xd.MirroredStrategy()
-  calls = []
   with strategy.scope():
     v = xd.Variable(0.0, name="counter")
 
   def fn():
-    calls.append(1)  # a Python side effect: runs on traced steps only
     v.assign_add(1.0)
     return v.value * 1
 
@@ -88,8 +86,37 @@ def test_fn_python_runs_only_when_traced_and_nothing_compiles_after_warm_up():
   for _ in range(5):
     out = strategy.run(fn)
   rep = strategy.extended._engine._replayer
-  assert len(calls) == rep.traces == 2  # the first trace, and the capture that confirms it
+  assert rep.traces == 2  # the first trace, and the capture that confirms it
   assert rep.replays == 6
+  assert runtime.compile_count() == compiles
+  assert float(v.read_value()) == 8.0
+  assert [float(t) for t in strategy.experimental_local_results(out)] == [8.0] * 4
+
+
+def test_a_python_side_effect_traces_every_call_and_compiles_nothing_new():
+  """Issue 50: a list `fn` appends to is a write a replay would skip, so the step
+  is traced at every call (the append happens 8 times, as in PyTorch), and said
+  so in the replay counts; its program is compiled once all the same."""
+  strategy = xd.MirroredStrategy()
+  calls = []
+  with strategy.scope():
+    v = xd.Variable(0.0, name="counter")
+
+  def fn():
+    calls.append(1)  # a Python side effect
+    v.assign_add(1.0)
+    return v.value * 1
+
+  for _ in range(3):
+    strategy.run(fn)
+  runtime.wait()
+  compiles = runtime.compile_count()
+  for _ in range(5):
+    out = strategy.run(fn)
+  counts = strategy.extended.experimental_replay_counts
+  assert len(calls) == 8
+  assert counts["traced"] == 8 and counts["replayed"] == 0, counts
+  assert counts["traced_for_writes"] >= 5, counts
   assert runtime.compile_count() == compiles
   assert float(v.read_value()) == 8.0
   assert [float(t) for t in strategy.experimental_local_results(out)] == [8.0] * 4

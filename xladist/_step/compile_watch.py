@@ -10,7 +10,7 @@ program (with whatever else was pending at that sync, or cut out of it by a host
 read before it); what compiled later came from code run between steps. After
 its first step, a step of the same `fn` compiles again only if something it
 depends on changed; the watch compares the two steps' signatures
-(`_step_signature.py`) and names what changed, in one line, on the "xladist"
+(`signature.py`) and names what changed, in one line, on the "xladist"
 logger:
 
 * always when more than `XLADIST_RECOMPILE_WARN_AFTER` (default 3) steps in a
@@ -166,6 +166,12 @@ class CompileWatch:
     self._last = (self.steps, sig, before, False, state)
     # [step number, signature and state, whether a step of this fn compiled]
     self._by_fn[key] = [self.steps, {**sig, **state}, before is not None and before[2]]
+
+  def signature_of(self, step):
+    """The signature `before_step` took for this watch's step number `step`, or
+    None (another step began since, or none did)."""
+    last = self._last
+    return last[1] if last is not None and last[0] == step else None
 
   def take_state(self, traced=True):
     """The state of a step whose signature was taken lazily (`before_step`),

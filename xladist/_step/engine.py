@@ -29,6 +29,7 @@ With replay (`replay.py`), once the traced program of a step is known, (b)
 is skipped: the program runs again on the new inputs.
 """
 
+import contextlib
 import sys
 import traceback
 
@@ -38,7 +39,7 @@ from torch.optim import optimizer as torch_optimizer
 from xladist import collectives, context
 from xladist import runtime as _runtime
 from xladist._nest import flatten, tree_map, unflatten
-from xladist._step import hyper, rng_state, seeds
+from xladist._step import hyper, python_effects, rng_state, seeds
 from xladist._step.device_state import place_host_state, prepare_optimizer
 from xladist._step.grad_clip import ensure_installed as _ensure_clipping_hook
 from xladist._step.region import HOST_READ_MESSAGE, Region
@@ -76,6 +77,7 @@ class StepEngine:
     self.region = None  # the Region of the step being traced, else None
     self._replayer = None
     self._swapped = None  # the hyper.Swapped of the step being traced
+    self._effects = None  # the python_effects.Recorder of the step being traced
     rng_state.register_device_module()
 
   # -- what a strategy declares ----------------------------------------------------------
@@ -120,6 +122,13 @@ class StepEngine:
     swapped = self._swapped = hyper.Swapped(
       active=attempt.wants_hypers(), carried=self._replayer.carried()
     )
+    # What fn's Python reads and writes (python_effects.py), for a step that may
+    # be captured; the values read that changed between steps are Hypers.
+    self._effects = attempt.effects = (
+      python_effects.Recorder(fn) if attempt.wants_hypers() else None
+    )
+    for namespace, name in self._replayer.varying(fn):
+      swapped.swap_value(namespace, name)
     try:
       # Only frames below this one hold replica-local views (see _clear_step_frames).
       with swapped:
@@ -142,6 +151,7 @@ class StepEngine:
       region.close()
       self.region = None
       self._swapped = None
+      self._effects = None
       del step
       made.release(keep, fn)
     attempt.hypers = swapped
@@ -185,6 +195,7 @@ class StepEngine:
         single_threaded_autograd(),
         torch.compiler.set_stance("force_eager"),
         self._swapped.recording(),
+        self._effects if self._effects is not None else contextlib.nullcontext(),
       ):
         out = fn(*local_args, **local_kwargs)
     finally:
@@ -265,7 +276,7 @@ class StepEngine:
     step.sanction(step.optimizer_clean.pop(id(optimizer), ()))
 
   def aggregate_for_clipping(self, ctx, tensors):
-    """torch's gradient clipping inside this step (`_grad_clip.py`): the
+    """torch's gradient clipping inside this step (`_step/grad_clip.py`): the
     gradients of variables in the list `tensors` are aggregated across
     replicas and replace the local ones, in the list and in `.grad`."""
     if self._in_this_step() is None or self._ext.experimental_gradient_aggregation is None:

@@ -45,7 +45,7 @@ from torch.overrides import TorchFunctionMode
 
 from xladist._nest import flatten, unflatten
 
-LEAF, CONST, STATE = "leaf", "const", "state"
+LEAF, NUMBER, STATE = "leaf", "number", "state"  # an expression's leaves (NUMBER: a Python number)
 
 _recording = [None]  # the list of Hypers made by the step being traced, or None
 
@@ -69,7 +69,7 @@ class Hyper(float):
 def _operand(x):
   if isinstance(x, Hyper):
     return x.expr
-  return (CONST, float(x))
+  return (NUMBER, float(x))
 
 
 def _number(x):
@@ -231,7 +231,7 @@ def evaluate(expr, groups):
     if expr[3] is not None:
       value = value[expr[3]]
     return float(value)
-  if kind == CONST:
+  if kind == NUMBER:
     return expr[1]
   if kind in _UNARY:
     return _UNARY[kind](evaluate(expr[1], groups))
@@ -250,7 +250,7 @@ def places(expr):
   """The hyperparameters and host scalars `expr` reads (its LEAF and STATE nodes)."""
   if expr[0] in (LEAF, STATE):
     yield expr
-  elif expr[0] != CONST:
+  elif expr[0] != NUMBER:
     for part in expr[1:]:
       if type(part) is tuple:
         yield from places(part)
@@ -280,7 +280,7 @@ def describe(expr):
   kind = expr[0]
   if kind == LEAF:
     return repr(expr[2]) + ("" if expr[3] is None else f"[{expr[3]}]")
-  if kind == CONST:
+  if kind == NUMBER:
     return repr(expr[1])
   if kind == STATE:
     return f"state[{expr[2]!r}]"
@@ -363,6 +363,20 @@ class Swapped:
           continue
         self.saved.append((group, key, value, new))
         group[key] = new
+
+  def swap_value(self, namespace, key):
+    """Swaps the float at `namespace[key]` (a module's globals, an object's
+    `__dict__`, a dict a step reads) for a Hyper: a value the step reads that
+    changed between steps (python_effects.py) is fed to the program as an
+    optimizer's hyperparameter is."""
+    value = namespace.get(key)
+    if not self.active or type(value) is not float:
+      return
+    gid = id(namespace)
+    self.groups.setdefault(gid, namespace)
+    new = Hyper(value, (LEAF, gid, key, None))
+    self.saved.append((namespace, key, value, new))
+    namespace[key] = new
 
   def __enter__(self):
     self._outer = _recording[0], _guarding[0]
@@ -466,7 +480,7 @@ def _scalar_expr(value):
   if isinstance(value, _HostScalar):
     return value.expr
   if _number(value):
-    return (CONST, float(value))
+    return (NUMBER, float(value))
   if (
     type(value) is torch.Tensor
     and value.device.type == "cpu"
@@ -475,7 +489,7 @@ def _scalar_expr(value):
   ):
     # A host scalar made from plain numbers (ASGD's `torch.as_tensor(1 / max(1,
     # step - t0))` while the `max` picks the 1: the comparison is a guard).
-    return (CONST, float(value.item()))
+    return (NUMBER, float(value.item()))
   return None
 
 
@@ -505,12 +519,12 @@ class _HostScalar(torch.Tensor):
         operand, alpha = _scalar_expr(other), kwargs.get("alpha", 1)
         if operand is not None and _number(alpha):
           if alpha != 1:
-            operand = ("mul", operand, (CONST, float(alpha)))
+            operand = ("mul", operand, (NUMBER, float(alpha)))
           new = (_INPLACE[name], target.expr, operand)
       elif name in ("copy_", "fill_") and other is not None and not kwargs:
         new = _scalar_expr(other) or _UNTRACKED
       elif name == "zero_" and len(args) == 1:
-        new = (CONST, 0.0)
+        new = (NUMBER, 0.0)
     if update:
       plain = [a.as_subclass(torch.Tensor) if isinstance(a, _HostScalar) else a for a in args]
     else:

@@ -19,12 +19,15 @@ the trace's host decisions on them guards. How a step is captured, its key,
 promotion, random numbers and what is never replayed: docs/architecture.md,
 "How a step is captured, and when it replays".
 
-The contract: `fn`'s Python runs only when the step is traced (as with
-`tf.function` and `jax.jit`): Python side effects (printing, appending to a
-list, counting in a mutable object) happen on traced steps only, and values
-`fn` reaches other than through the watched places (through another function,
-a mutable object's attribute, a dict of models) are those of the last trace.
-Every `XLADIST_REPLAY_VERIFY` steps (default 100; 1: every step; 0: never) a
+The contract: a replayed step computes what running `fn` would. What `fn`'s
+Python read while it was traced is guarded (python_effects.py: globals, closure
+cells, attribute paths and dict items, in `fn` and every function it calls; the
+values are the last part of the key), and a step whose Python writes state
+outside its program (a counter, a helper's attribute, a list, the host random
+generators, printing, logging) is not captured: it is traced at every call.
+What the recorder cannot follow (a read by C code, a list item at a computed
+index) is left to the verification trace: every `XLADIST_REPLAY_VERIFY` steps
+(default 100; 1: every step; 0: never) a
 step of a replayed key is traced instead and its program compared with the
 capture; a difference means the replayed steps since the last check were
 stale: it is warned about once (raised as a RuntimeError when
@@ -38,7 +41,7 @@ import torch
 from xladist import _settings
 from xladist import runtime as _runtime
 from xladist._nest import flatten
-from xladist._step import hyper, seeds
+from xladist._step import hyper, python_effects, seeds
 from xladist._step import signature as signatures
 from xladist._step.replay_capture import (
   _Attempt,
@@ -126,6 +129,9 @@ class Replayer:
     self.last_replayed = None
     self._in_group = False  # tracing the steps of a group (`_group_steps`)
     self._group_hypers = []  # the hyper.Swapped of each step of the group traced now
+    self._group_effects = []  # the python_effects.Recorder of each step of the group
+    self._reads = {}  # id(code) -> python_effects.Watched: what its traces read
+    self.writes = 0  # traced steps whose Python wrote state outside the program
     self.steps = 0
     self.reasons = collections.deque(maxlen=100)
 
@@ -150,15 +156,17 @@ class Replayer:
     store = self._store
     leaves, spec = flatten((args, kwargs))
     sig = self._signature(fn, args, kwargs, watch)
+    code = _code_id(fn)
+    reads = self._reads.get(code)
     key = (
-      tuple(sig.items()),
+      signatures.replay_entries(sig),
       _fn_refs(fn),
       _arg_refs(leaves),
       _store_refs(store),
       torch.is_grad_enabled(),
       self._extended.experimental_gradient_aggregation,
+      reads.key() if reads is not None else (),
     )
-    code = id(getattr(getattr(fn, "__func__", fn), "__code__", None))
     entry = self._entries.get(key)
     if entry is None:
       why = self._why_new(fn, sig, key)
@@ -182,6 +190,8 @@ class Replayer:
         seed,
       )
     if entry.refused is not None:
+      if entry.refused.startswith(python_effects.WROTE):
+        self.writes += 1
       return None, self._plain(f"not replayable: {entry.refused}", seed)
     if entry.promoted:
       every, strict = verify_every()
@@ -273,7 +283,7 @@ class Replayer:
       args_list = attempt.args
     strategy = self._extended._strategy_ref
     self._in_group = True
-    self._group_hypers = []
+    self._group_hypers, self._group_effects = [], []
 
     def steps():
       with self._extended._one_program():
@@ -289,7 +299,8 @@ class Replayer:
       self._in_group = False
     program = group.program
     attempt.hypers = hyper.Swapped.merged(self._group_hypers)
-    self._group_hypers = []
+    attempt.effects = python_effects.merged(self._group_effects)
+    self._group_hypers, self._group_effects = [], []
     outs = attempt.finish(outs)
     if group.program is not program:  # captured now: where its steps' seeds start
       offsets = tuple(seeds.draws_between(seed, s) for s in starts)
@@ -314,17 +325,61 @@ class Replayer:
   def _signature(self, fn, args, kwargs, watch):
     """The step's signature: the one the compile watch took at the start of this
     run (`Strategy.run`), else taken here."""
-    last = getattr(watch, "_last", None)
-    if last is not None and watch.steps != self._watch_step:
-      sig = last[1]
+    sig = watch.signature_of(watch.steps) if watch is not None else None
+    if sig is not None and watch.steps != self._watch_step:
       code = getattr(getattr(fn, "__func__", fn), "__code__", None)
       if sig.get("fn", (None, None, None))[2] == id(code):
         self._watch_step = watch.steps
         return sig
     return signatures.take(fn, args, kwargs, self._store)
 
+  def varying(self, fn):
+    """[(dict, key)] of the floats fn's traces read that changed between steps:
+    swapped for Hypers while a step is traced (program inputs)."""
+    reads = self._reads.get(_code_id(fn))
+    return reads.namespaces() if reads is not None else []
+
+  def note_effects(self, fn, effects, entry):
+    """Adds what a traced step of `fn` read to the locations its key watches.
+    The key of `entry` (the step's) gets the values the trace read at the new
+    ones, so that the next step with the same values finds it."""
+    code = _code_id(fn)
+    reads = self._reads.get(code)
+    if reads is None:
+      reads = self._reads[code] = python_effects.Watched()
+    before = len(reads.locations)
+    reads.add(effects)
+    if len(reads.locations) == before:
+      return
+    read = {loc.ident(): value for loc, value in effects.locations()}
+    extra = tuple(loc.key(read[i]) for i, loc in list(reads.locations.items())[before:])
+    for key, e in list(self._entries.items()):
+      if e is entry:
+        new = key[:6] + (key[6] + extra,)
+        del self._entries[key]
+        self._entries[new] = e
+        last = self._last_key.get(code)
+        if last is not None and last[1] == key:
+          self._last_key[code] = (last[0], new)
+        break
+
+  def _rekey(self, code, reads):
+    """Floats fn reads became program inputs (`python_effects.Watched.varying`):
+    the keys of its entries that pinned them at 0 or 1 are rewritten as the
+    key is made now, so that a value going back to one of them finds its
+    program (a loop switching `Dropout.p` between 0 and 0.5)."""
+    for key in list(self._entries):
+      fn_entry = dict(key[0]).get("fn")
+      if fn_entry is None or fn_entry[2] != code:
+        continue
+      values = reads.as_varying(key[6])
+      if values is not None and values != key[6]:
+        new = key[:6] + (values,)
+        if new not in self._entries:
+          self._entries[new] = self._entries.pop(key)
+
   def _why_new(self, fn, sig, key):
-    code = id(getattr(getattr(fn, "__func__", fn), "__code__", None))
+    code = _code_id(fn)
     last = self._last_key.get(code)
     if last is None:
       return "first trace of this step function"
@@ -332,6 +387,14 @@ class Replayer:
     what = signatures.differences(old_sig, sig)
     if what:
       return f"new signature: {what}"
+    if len(key[6]) == len(old_key[6]) and key[6] != old_key[6]:
+      reads = self._reads[code]
+      varying = len(reads.varying)
+      changed = reads.changed(old_key[6], key[6])
+      if len(reads.varying) > varying:
+        self._rekey(code, reads)
+      if changed:
+        return "a value the step reads changed: " + "; ".join(changed[:3])
     names = (
       None,
       "an object fn reads by name (closure, global, default argument) was replaced",
@@ -339,6 +402,7 @@ class Replayer:
       "variables or optimizers were replaced (new Parameter objects, optimizer.load_state_dict)",
       "grad mode changed",
       "the strategy's gradient aggregation changed",
+      "the step's last trace read values no trace before it had read",
     )
     for i in range(1, len(key)):
       if key[i] != old_key[i]:
@@ -391,3 +455,10 @@ class Replayer:
     seeds.STEP_SEEDS.after_replay(seed, prog.draws)
     _advance(prog)
     return _write_back(prog, results, n)
+
+
+def _code_id(fn):
+  """The identity of the code `fn` runs (a function, bound method, partial or
+  callable object): what a step's keys and watched reads are kept under."""
+  _, func = signatures._unwrap(fn)
+  return id(getattr(func, "__code__", None) or fn)

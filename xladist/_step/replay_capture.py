@@ -61,6 +61,7 @@ class _Attempt:
     self.args = self.kwargs = None
     self.group = False  # the attempt of experimental_run_steps' group, not of a step
     self.hypers = None  # the step's hyper.Swapped (set by the engine after the trace)
+    self.effects = None  # the step's python_effects.Recorder (set by the engine)
     self._ready = False
     if entry is not None:
       self._prepare(fn, leaves, spec)
@@ -141,7 +142,12 @@ class _Attempt:
     if self._entry is None:
       if rep._in_group and self.hypers is not None:
         rep._group_hypers.append(self.hypers)
+        rep._group_effects.append(self.effects)
       return result
+    if self.effects is not None:
+      fn = getattr(self, "_step", (None,))[0]
+      if fn is not None:
+        rep.note_effects(fn, self.effects, self._entry)
     if not self._ready:
       self._cut()
       return result
@@ -218,8 +224,9 @@ class _Attempt:
         f"xladist: replayed steps were stale: a verification trace at step {rep.steps} "
         f"captured {what} than the program replayed since (up to {every - 1} steps "
         "before this one used the old program). fn depends on something xladist does "
-        "not watch; pass it as an argument or read it by name in fn (a closure or "
-        "global plain value), or turn replay off for this step "
+        "not watch (a value read by C code, or through a list at a computed index); pass "
+        "it as an argument or read it as an attribute, a dict item or by name, or turn "
+        "replay off for this step "
         "(RunOptions(experimental_replay=False) or XLADIST_REPLAY=0). This step "
         "function is traced at every step from now on."
       )
@@ -234,7 +241,12 @@ class _Attempt:
     matched by value: hyper_inputs.py), its results to what fn returned and the
     slots the step wrote (by value identity; a result two of them take is an
     alias). Returns it with the program's inputs at the capture."""
-    slots, uids = _new_state_slots(self)
+    slots, uids, counters = _new_state_slots(self)
+    wrote = self.effects.why_not_replayed() if self.effects is not None else None
+    if wrote is not None:
+      # Left lazy, as without replay; the key's next steps are traced too.
+      self._replayer.writes += 1
+      raise _NotCapturable(f"{wrote} (a replay would skip it): traced at every call")
     ret_spec, returned = _returned(result)
     outs, ret_leaves = [], []
     for j, kind, value in returned:
@@ -300,7 +312,7 @@ class _Attempt:
       hypers=hypers,
     )
     prog.donate = _donated(prog, self._shared, self._donate_floor)
-    _host_decisions(prog, self)
+    _host_decisions(prog, self, counters)
     return prog, inputs
 
 
@@ -321,13 +333,14 @@ def _shared_slots(slots, values, min_bytes):
   return {i for i, v in enumerate(values) if _runtime.shares_storage(v)}
 
 
-def _host_decisions(prog, attempt):
+def _host_decisions(prog, attempt, counters):
   """What the program assumes of the host: the guards of the trace (hyper.py), the
-  host scalars it updates, and the groups and states their expressions read."""
+  host scalars it updates (`counters`: [(state dict, key, expression)]), and the
+  groups and states their expressions read."""
   swapped = attempt.hypers
   prog.groups = swapped.groups if swapped is not None else {}
   prog.guards = tuple(swapped.guards.items()) if swapped is not None else ()
-  prog.counters = tuple(attempt._counters)
+  prog.counters = tuple(counters)
   exprs = [expr for expr, _ in prog.guards] + [e for h in prog.hypers for e in h.exprs]
   prog.host_reads = bool(prog.counters) or hyper.reads_state(exprs)
 
@@ -364,8 +377,9 @@ def _hyper_sources(attempt, sources, consts):
 
 
 def _new_state_slots(attempt):
-  """The attempt's slots, with the gradients the step made; refuses other new
-  state, and a step that changed optimizer state outside the device."""
+  """(the attempt's slots, with the gradients the step made; their value ids
+  before the step; the host scalars the step updated, `_host_change`). Refuses
+  other new state, and a step that changed optimizer state outside the device."""
   store = attempt._replayer._store
   known = {s.ident() for s in attempt._slots}
   slots, uids = list(attempt._slots), list(attempt._uids)
@@ -376,14 +390,14 @@ def _new_state_slots(attempt):
       slots.append(s)
       uids.append(None)
   updates = attempt.hypers.updates() if attempt.hypers is not None else {}
-  host, attempt._counters = _host_change(store, attempt._host, _host_state(store), updates)
+  host, counters = _host_change(store, attempt._host, _host_state(store), updates)
   if host is None:
     optimizers = list(store.optimizers())
     after = hyper_inputs.group_values(optimizers)
     host = hyper_inputs.group_change(optimizers, attempt._groups, after)
   if host is not None:
     raise _NotCapturable(host, permanent=True)
-  return slots, uids
+  return slots, uids, counters
 
 
 def _source(attempt, handle, value, consts):

@@ -11,8 +11,6 @@ listed so that a step changing it is refused, or, for step counters, replayed
 by adding to them (hyper.py).
 """
 
-import types
-
 import torch
 
 from xladist import runtime as _runtime
@@ -203,8 +201,9 @@ def _ref(value, depth=0):
 
 
 def _fn_refs(fn):
-  """What `fn` reads by name besides its plain values: closure cells, default
-  arguments and named globals (by identity), its bound object."""
+  """What `fn` starts from that its trace's guards do not see: its code, its
+  bound object and its default arguments (its frame's own locals). Its closure
+  cells and globals are guarded from the trace (python_effects.py)."""
   out = []
   bound = getattr(fn, "__self__", None)
   if bound is not None:
@@ -214,24 +213,11 @@ def _fn_refs(fn):
   if code is None:
     return (id(fn),)
   out.append(id(code))
-  for cell in f.__closure__ or ():
-    try:
-      out.append(_ref(cell.cell_contents))
-    except ValueError:  # an empty cell
-      out.append(_MISSING_REF)
   for value in f.__defaults__ or ():
     out.append(_ref(value))
   if f.__kwdefaults__:
     out.extend(_ref(v) for v in f.__kwdefaults__.values())
-  glob = f.__globals__
-  for name in code.co_names:
-    value = glob.get(name, _MISSING)
-    if value is not _MISSING and not isinstance(value, types.ModuleType):
-      out.append(_ref(value))
   return tuple(out)
-
-
-_MISSING_REF = ("empty",)
 
 
 def _store_refs(store):

@@ -10,7 +10,7 @@ step's *state* (`take_with_state`) adds what its tensors hold as it begins and
 joins its program: work traced and not executed yet, writes of sync-on-read
 variables outside a step.
 
-Used to explain recompilations (`_compile_watch.py`) and to key replayed
+Used to explain recompilations (`compile_watch.py`) and to key replayed
 programs (`replay.py`, signature only); cheap enough to take at every
 `strategy.run` (0.35 ms with the state for a model of 102 parameters with
 momentum buffers, whose step traces in 23 ms; checked on XLA:CPU).
@@ -115,20 +115,20 @@ def _python_values(fn, out, optimizers):
     except ValueError:  # an empty cell
       continue
     if isinstance(value, _PLAIN):
-      out[f"fn's closure variable {name!r}"] = ("value", value)
+      out[ByName(f"fn's closure variable {name!r}")] = ("value", value)
     else:
       reached.append((name, value))
   glob = fn.__globals__
   for name in code.co_names:
     value = glob.get(name, _MISSING)
     if isinstance(value, _PLAIN) and not isinstance(value, types.ModuleType):
-      out[f"global {name!r}"] = ("value", value)
+      out[ByName(f"global {name!r}")] = ("value", value)
     elif value is not _MISSING:
       reached.append((name, value))
   if self is not None:
     for name, value in getattr(self, "__dict__", {}).items():
       if isinstance(value, _PLAIN):
-        out[f"{type(self).__name__}.{name}"] = ("value", value)
+        out[ByName(f"{type(self).__name__}.{name}")] = ("value", value)
       else:
         reached.append((f"{type(self).__name__}.{name}", value))
   for name, value in reached:
@@ -139,6 +139,20 @@ def _python_values(fn, out, optimizers):
 
 
 _SETS_MODES = "fn calls .train() or .eval()"
+
+
+class ByName(str):
+  """The label of a plain value `fn` reads by name (a closure cell, a global, an
+  attribute of its object): in the signature for explanations, left out of the
+  replay key, which guards what the trace read instead (python_effects.py)."""
+
+  __slots__ = ()
+
+
+def replay_entries(sig):
+  """The signature's entries a replay key keeps: all but the values `fn` reads by
+  name (`ByName`), which the key's guards from the trace cover."""
+  return tuple(item for item in sig.items() if type(item[0]) is not ByName)
 
 
 def _modes(name, module, out):

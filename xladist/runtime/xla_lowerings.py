@@ -13,14 +13,18 @@ ops are common in ordinary models:
 * `aten::linalg_matrix_exp` (`torch.linalg.matrix_exp`, and
   `nn.utils.parametrizations.orthogonal` of a square weight), and its backward;
 * `aten::avg_pool2d` (`nn.AvgPool1d/2d`), whose backward torch_xla runs on the
-  host with `ceil_mode=True` (ResNet-D's downsampling uses it).
+  host with `ceil_mode=True` (ResNet-D's downsampling uses it);
+* `aten::batch_norm` in evaluation mode under autograd (a BatchNorm after
+  `model.eval()` with a backward through it, e.g. frozen statistics while
+  fine-tuning), whose backward torch_xla cannot build at all.
 
 Each gets a kernel for the XLA device at the Autograd key (`AutogradXLA`),
 written with ops torch_xla lowers: autograd differentiates the composition,
 so no backward op is needed either. The kernels are registered once, when the
 torch_xla runtime starts (`register`), and only where torch_xla has no kernel of
 its own for the op (a torch_xla that lowers one keeps its own), except
-avg_pool2d, whose kernel torch_xla 2.9 has but runs partly on the host.
+avg_pool2d and batch_norm, whose kernels torch_xla 2.9 has but runs partly on
+the host or fails in.
 """
 
 import torch
@@ -186,6 +190,38 @@ def avg_pool2d(
   return out if batched else out.squeeze(0)
 
 
+def batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled):
+  """aten::batch_norm; in evaluation mode under autograd, composed of lowered ops.
+
+  torch_xla 2.9's `native_batch_norm` in evaluation mode returns empty saved
+  statistics, and its `native_batch_norm_backward` drops the running statistics
+  it is given and builds XLA's BatchNormGrad (the training-mode gradient) from
+  the saved ones: the backward fails ("The size of mean should be compatible
+  with feature count, but the size of offset factor is 0"). Here evaluation
+  mode with a tensor that requires grad is torch's formula,
+  `(x - running_mean) / sqrt(running_var + eps) * weight + bias`, which
+  autograd differentiates (the gradients of x, weight and bias torch's CPU
+  kernel gives; the running statistics are constants, neither read for grad nor
+  written). Training mode, and evaluation without autograd, take aten's own
+  path (`_batch_norm_impl_index`, what aten::batch_norm calls).
+  """
+  needs_grad = torch.is_grad_enabled() and any(
+    t is not None and t.requires_grad for t in (x, weight, bias)
+  )
+  if training or not needs_grad or running_mean is None or running_var is None:
+    return torch.ops.aten._batch_norm_impl_index(
+      x, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled
+    )[0]
+  shape = [1, -1] + [1] * (x.dim() - 2)  # per channel, the channels in dimension 1
+  scale = torch.rsqrt(running_var.detach() + eps)
+  if weight is not None:
+    scale = scale * weight
+  out = (x - running_mean.detach().view(shape)) * scale.view(shape)
+  if bias is not None:
+    out = out + bias.view(shape)
+  return out.to(x.dtype)
+
+
 def _pooled_size(size, kernel, stride, pad, ceil_mode):
   """torch's pooling output length (a ceil-mode window must start inside the
   input or its left padding)."""
@@ -235,4 +271,7 @@ def register():
   # torch_xla has a kernel for it, which runs on the host in ceil mode: replaced
   # above autograd (the composition is differentiated).
   library.impl("avg_pool2d", avg_pool2d, "AutogradXLA")
+  # aten::batch_norm is composite (no kernel of torch_xla's): a kernel at
+  # AutogradXLA takes the XLA device's calls, the others go on as before.
+  library.impl("batch_norm", batch_norm, "AutogradXLA")
   _LIBRARY.append(library)

@@ -106,7 +106,7 @@ class SPMDExtended(StrategyExtended):
     return self._engine.run(fn, args, kwargs, options)
 
   def _aggregate_for_clipping(self, ctx, tensors):
-    """torch's gradient clipping inside a step (`_grad_clip.py`)."""
+    """torch's gradient clipping inside a step (`_step/grad_clip.py`)."""
     self._engine.aggregate_for_clipping(ctx, tensors)
 
   def _variable_components(self, tensor):

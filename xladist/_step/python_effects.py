@@ -1,0 +1,736 @@
+"""What a traced step's Python reads and writes outside its program.
+
+While a step that may be captured is traced, `Recorder` watches the Python that
+runs (a `sys.settrace` function with opcode events, for the frames of user code
+and of torch's module classes; torch's other internals, xladist, the runtimes
+and the standard library are not followed) and records:
+
+* *reads*: every value a followed frame takes from outside itself: a global, a
+  closure cell of a function made before the step, an attribute along an
+  access path (`self.drop.p`, `cfg.beta`, `self.ema.decay`), a dict item under
+  a constant key (`cfg["beta"]`). Each becomes a `Location` whose value is
+  part of the step's replay key (replay.py): a plain value (bool, int, float,
+  str, None, tuples of them) by value, another object by identity. Tensors are
+  the program's inputs (slots), and optimizers' hyperparameters are Hypers
+  (hyper.py): neither is guarded here.
+* *writes*: what the step changes that its program would not: a global or a
+  closure variable of an enclosing function, an attribute or item of an object
+  that existed before the step, a list, dict or set mutated by its methods,
+  the host random-number generators (`random`, `numpy.random`, torch's CPU
+  generator), printing and logging. A step that writes is not captured: it is
+  traced at every call (replay.py says why under `XLADIST_REPLAY_DEBUG=1`).
+
+Objects made by the step itself (a dict of results, an output object, a
+helper made inside `fn`) are neither guarded nor written: an object is *born
+in the step* when tracemalloc saw its memory allocated during the trace, or
+its `__init__` ran during the trace.
+
+Attributes are looked up without running code (the instance dict, an
+`nn.Module`'s parameters, buffers and submodules, slots, plain class
+attributes): a property or `__getattr__` is a frame of its own, followed when
+it is user code.
+"""
+
+import builtins
+import collections
+import dis
+import logging
+import os
+import random
+import sys
+import sysconfig
+import tracemalloc
+import types
+import weakref
+
+import torch
+
+_PLAIN = (bool, int, float, str, bytes, type(None))
+WROTE = "the step's Python "  # how the words saying what a step wrote begin
+_MISSING = object()
+_SKIP = object()  # an attribute found but not guarded (a method, a descriptor)
+
+_MUTATORS = {
+  "append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse",
+  "update", "setdefault", "popitem", "add", "discard", "difference_update",
+  "intersection_update", "symmetric_difference_update", "appendleft", "extendleft",
+  "popleft", "rotate", "__setitem__", "__delitem__",
+}  # fmt: skip
+_CONTAINERS = (list, dict, set, collections.deque, bytearray)
+
+
+# -- which frames are followed -----------------------------------------------------------------
+
+
+def _roots():
+  """Folders whose code is not followed: the standard library, xladist, the
+  runtimes and torch (its module classes excepted: their `forward`s read the
+  modules' settings, `Dropout.p`, `self.training`)."""
+  paths = sysconfig.get_paths()
+  out = {os.path.realpath(paths[k]) + os.sep for k in ("stdlib", "platstdlib")}
+  here = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+  out.add(here + os.sep)
+  for name in ("torch", "torch_xla", "jax", "jaxlib", "torchax", "numpy", "optax",
+               "_pytest", "pluggy", "typing_extensions", "sympy", "functorch"):  # fmt: skip
+    spec = sys.modules.get(name)
+    file = getattr(spec, "__file__", None)
+    if file:
+      out.add(os.path.dirname(os.path.realpath(file)) + os.sep)
+  return tuple(sorted(out))
+
+
+_TORCH_MODULES = os.path.join(os.path.dirname(os.path.realpath(torch.__file__)), "nn", "modules")
+_ROOTS = []
+
+
+def _followed(filename):
+  if not _ROOTS:
+    _ROOTS.extend(_roots())
+  if filename.startswith("<"):
+    return False  # generated code (dataclasses' __init__, namedtuple), frozen modules
+  path = os.path.realpath(filename)
+  if path.startswith(_TORCH_MODULES + os.sep):
+    return os.path.basename(path) != "module.py"  # hooks' bookkeeping, not settings
+  return not path.startswith(tuple(_ROOTS))
+
+
+# -- what each instruction of a followed code object does ------------------------------------
+
+_LOADS = {
+  "LOAD_FAST": "fast", "LOAD_FAST_CHECK": "fast", "LOAD_FAST_AND_CLEAR": "fast",
+  "LOAD_DEREF": "deref", "LOAD_CLASSDEREF": "deref", "LOAD_GLOBAL": "global", "LOAD_NAME": "global",
+}  # fmt: skip
+
+
+def _plan(code):
+  """{instruction offset: action} for `code`, found once: (kind, chain, name)
+  where `chain` is the access path of the object the instruction works on, as
+  loads and attributes (("fast", "self"), "drop"), or None when not followed."""
+  plan = {}
+  instrs = [i for i in dis.get_instructions(code) if i.opname != "CACHE"]
+  after = []  # the access path on top of the stack after each instruction, or None
+  cur = copied = augmented = None
+  freevars = set(code.co_freevars)
+  for k, ins in enumerate(instrs):
+    op, arg = ins.opname, ins.argval
+    if ins.is_jump_target:
+      cur = copied = None
+    new = None
+    if op in _LOADS:
+      kind = _LOADS[op]
+      new = ((kind, arg),)
+      if kind == "global":
+        plan[ins.offset] = ("global", None, arg)
+      elif kind == "deref" and arg in freevars:
+        plan[ins.offset] = ("deref", None, arg)
+    elif op in ("LOAD_ATTR", "LOAD_METHOD") and cur is not None:
+      plan[ins.offset] = ("attr", cur, arg)
+      new = cur + (arg,)
+    elif op == "COPY" and ins.arg == 1 and cur is not None:
+      new = copied = cur
+    elif op == "BINARY_SUBSCR" and k >= 2 and instrs[k - 1].opname == "LOAD_CONST":
+      if after[k - 2] is not None and isinstance(instrs[k - 1].argval, (str, int)):
+        plan[ins.offset] = ("item", after[k - 2], instrs[k - 1].argval)
+    elif (
+      op == "BINARY_SUBSCR" and k >= 4 and instrs[k - 1].opname == "COPY" == instrs[k - 2].opname
+    ):
+      augmented = after[k - 4]  # `d[key] += ...`: d, key, COPY 2, COPY 2, BINARY_SUBSCR
+    elif op in ("STORE_ATTR", "DELETE_ATTR"):
+      target = cur if cur is not None else (copied if instrs[k - 1].opname == "SWAP" else None)
+      plan[ins.offset] = ("store_attr", target, arg)
+    elif op in ("STORE_SUBSCR", "DELETE_SUBSCR"):
+      if op == "STORE_SUBSCR" and instrs[k - 1].opname == "SWAP" and augmented is not None:
+        plan[ins.offset] = ("store_item", augmented, None)  # ... SWAP 3, SWAP 2, STORE_SUBSCR
+      else:
+        plan[ins.offset] = ("store_item", _container(instrs, after, k), None)
+    elif op in ("STORE_GLOBAL", "DELETE_GLOBAL"):
+      plan[ins.offset] = ("store_global", None, arg)
+    elif op in ("STORE_DEREF", "DELETE_DEREF") and arg in freevars:
+      plan[ins.offset] = ("store_deref", None, arg)
+    after.append(new)
+    cur = new
+  return plan
+
+
+def _container(instrs, after, k):
+  """The access path of the container a STORE_SUBSCR / DELETE_SUBSCR at `k`
+  writes: what was on the stack under its key (DELETE: under nothing more)."""
+  want = 1 if instrs[k].opname == "STORE_SUBSCR" else 0
+  depth = 0
+  for m in range(k - 1, max(-1, k - 12), -1):
+    try:
+      depth += dis.stack_effect(instrs[m].opcode, instrs[m].arg)
+    except ValueError:
+      return None
+    if depth == want:
+      return after[m - 1] if m >= 1 else None
+    if depth > want:
+      return None
+  return None
+
+
+# -- locations: where a read value lives, read again before each replay ----------------------
+
+
+class Location:
+  """One place the trace read a value from: (kind, owner, name) with kind
+  "global" (owner: a module's globals), "cell" (owner: the function whose
+  closure holds it; name: the cell's index), "attr" (owner: an object) or
+  "item" (owner: a dict). The owner is held weakly where it can be (a model
+  the user lets go of is freed)."""
+
+  __slots__ = ("kind", "_owner", "_weak", "_id", "name", "label", "by_value")
+
+  def __init__(self, kind, owner, name, label, by_value):
+    self.kind, self.name, self.label, self.by_value = kind, name, label, by_value
+    self._id = id(owner)
+    try:
+      self._owner, self._weak = weakref.ref(owner), True
+    except TypeError:
+      self._owner, self._weak = owner, False
+
+  @property
+  def owner(self):
+    return self._owner() if self._weak else self._owner
+
+  def ident(self):
+    return (self.kind, self._id, self.name)
+
+  def read(self):
+    kind, owner, name = self.kind, self.owner, self.name
+    if owner is None and self._weak:
+      return _MISSING
+    if kind == "cell":
+      try:
+        return owner.__closure__[name].cell_contents
+      except (ValueError, IndexError, TypeError):
+        return _MISSING
+    if kind == "global":
+      value = owner.get(name, _MISSING)
+      return builtins.__dict__.get(name, _MISSING) if value is _MISSING else value
+    if kind == "item":
+      return owner.get(name, _MISSING) if isinstance(owner, dict) else _MISSING
+    return static_get(owner, name)
+
+  def key(self, value):
+    """What the replay key keeps of `value`: the value itself when plain, else
+    the object's identity."""
+    if self.by_value and _plain(value):
+      return (type(value), value)
+    return _Same(value)
+
+  def namespace(self):
+    """The dict this location's value lives in (for a float made a program
+    input, hyper.py), or None."""
+    if self.kind in ("global", "item"):
+      return self.owner
+    if self.kind == "attr":
+      d = getattr(self.owner, "__dict__", None)
+      if isinstance(d, dict) and self.name in d:
+        return d
+    return None
+
+
+class _Same:
+  """An object in the replay key, equal to another only when it is the same
+  live object (held weakly where it can be, else held, so that its identity
+  is not reused)."""
+
+  __slots__ = ("_ref", "_id", "_name", "__weakref__")
+
+  def __init__(self, obj):
+    self._id, self._name = id(obj), type(obj).__name__
+    try:
+      self._ref = weakref.ref(obj)
+    except TypeError:
+      self._ref = lambda obj=obj: obj
+
+  def __eq__(self, other):
+    if type(other) is not _Same or other._id != self._id:
+      return False
+    obj = self._ref()
+    return obj is not None and other._ref() is obj
+
+  def __hash__(self):
+    return self._id
+
+  def __repr__(self):
+    return f"<{self._name} object at {self._id:#x}>"
+
+
+def _plain(value):
+  if type(value) in _PLAIN:
+    return True
+  return type(value) is tuple and len(value) <= 16 and all(type(v) in _PLAIN for v in value)
+
+
+def static_get(obj, name):
+  """`obj.name` found without running code, else _SKIP (a method, a property,
+  an attribute computed by `__getattr__`) or _MISSING."""
+  try:
+    d = object.__getattribute__(obj, "__dict__")
+  except AttributeError:
+    d = None
+  if d is not None and name in d:
+    return d[name]
+  if isinstance(obj, torch.nn.Module) and d is not None:
+    for kind in ("_parameters", "_buffers", "_modules"):
+      table = d.get(kind)
+      if table is not None and name in table:
+        return table[name]
+  for klass in type(obj).__mro__:
+    attr = klass.__dict__.get(name, _MISSING)
+    if attr is _MISSING:
+      continue
+    if type(attr) is types.MemberDescriptorType:  # __slots__
+      try:
+        return attr.__get__(obj, type(obj))
+      except AttributeError:
+        return _MISSING
+    if _plain(attr):
+      return attr
+    return _SKIP
+  return _MISSING
+
+
+# -- the recorder --------------------------------------------------------------------------------
+
+
+class Recorder:
+  """Records a traced step's reads and writes (see the module docstring).
+  `fn`: the step function (its closure cells are locations from the start).
+  Used as a context manager around the call of `fn`; reusable across several
+  calls (experimental_run_steps' steps traced as one program)."""
+
+  def __init__(self, fn=None):
+    self.reads = {}  # Location.ident() -> (Location, value at the first read)
+    self.writes = []  # what the step wrote, in words (first 8)
+    self.unavailable = None  # why reads could not be recorded (another trace function)
+    self.unguarded = set()  # reads found and not guarded, in words
+    self._born = set()  # ids of objects whose __init__ ran in the step
+    self._functions = collections.defaultdict(list)  # code -> functions seen
+    self._frames = set()  # ids of frames started in the step
+    self._tracemalloc = False
+    self._depth = 0
+    self._rng = None
+    if fn is not None:
+      self._note_function(fn)
+
+  # -- starting and stopping --------------------------------------------------------------------
+  def __enter__(self):
+    self._depth += 1
+    if self._depth > 1:
+      return self
+    if _MONITORING:
+      if sys.monitoring.get_tool(_TOOL) is not None:
+        self.unavailable = f"sys.monitoring's tool id {_TOOL} is taken"
+        return self
+    elif sys.gettrace() is not None:
+      self.unavailable = "a trace function (a debugger or coverage) is active"
+      return self
+    self._rng = _rng_states()
+    if not tracemalloc.is_tracing():
+      # New dicts, lists and sets come from free lists (memory tracemalloc never
+      # saw allocated): hold enough of them that the step's own are new memory.
+      self._drain = ([{} for _ in range(100)], [[] for _ in range(100)])
+      tracemalloc.start(1)
+      self._tracemalloc = True
+    if _MONITORING:
+      self._start_monitoring()
+    else:
+      sys.settrace(self._call)
+    return self
+
+  def __exit__(self, *exc):
+    self._depth -= 1
+    if self._depth > 0 or self.unavailable is not None:
+      return False
+    if _MONITORING:
+      self._stop_monitoring()
+    else:
+      sys.settrace(None)
+    if self._tracemalloc:
+      tracemalloc.stop()
+      self._tracemalloc = False
+      self._drain = None
+    after = _rng_states()
+    for name, a, b in zip(_RNG_NAMES, self._rng, after):
+      if not _same_state(a, b):
+        self._write(f"draws from the host random-number generator of {name}")
+    return False
+
+  # -- events (Python 3.11: sys.settrace with opcode events) ------------------------------------
+  def _call(self, frame, event, arg):
+    if event != "call":
+      return None
+    if not self._started(frame, frame.f_code):
+      return None
+    self._frames.add(id(frame))
+    frame.f_trace_lines = False
+    frame.f_trace_opcodes = True
+    return self._opcode
+
+  def _opcode(self, frame, event, arg):
+    if event == "opcode":
+      self._at(frame, frame.f_lasti)
+    return self._opcode
+
+  def _started(self, frame, code):
+    """A frame of `code` starts: notes what it makes and logs; whether it is followed."""
+    info = _INFO.get(code)
+    if info is None:
+      info = _INFO[code] = _code_info(code)
+    followed, init, handle = info
+    if init:
+      self._born.add(id(frame.f_locals.get(code.co_varnames[0])))
+    if handle:
+      record = frame.f_locals.get("record")
+      name = getattr(record, "name", "")
+      if not name.startswith("xladist"):
+        self._write(f"logs (logger {name!r})")
+    return followed
+
+  def _at(self, frame, offset):
+    action = _PLANS[frame.f_code].get(offset)
+    if action is not None:
+      try:
+        _ACTIONS[action[0]](self, frame, action[1], action[2])
+      except Exception as e:  # never break the user's step; say what was not followed
+        self._write(f"{type(e).__name__} while following it ({e})")
+
+  # -- events (Python 3.12: sys.monitoring, per code object) ------------------------------------
+  # (3.12.1's settrace misses the opcode events of a code object's first traced call.)
+  def _start_monitoring(self):
+    mon = sys.monitoring
+    mon.use_tool_id(_TOOL, "xladist")
+    mon.register_callback(_TOOL, mon.events.PY_START, self._py_start)
+    mon.register_callback(_TOOL, mon.events.INSTRUCTION, self._instruction)
+    self._instrumented = set()  # code objects with INSTRUCTION events on
+    mon.restart_events()
+    mon.set_events(_TOOL, mon.events.PY_START)
+
+  def _stop_monitoring(self):
+    mon = sys.monitoring
+    mon.set_events(_TOOL, 0)
+    for code in self._instrumented:
+      mon.set_local_events(_TOOL, code, 0)
+    mon.register_callback(_TOOL, mon.events.PY_START, None)
+    mon.register_callback(_TOOL, mon.events.INSTRUCTION, None)
+    mon.free_tool_id(_TOOL)
+    self._instrumented = set()
+
+  def _py_start(self, code, offset):
+    frame = sys._getframe(1)
+    followed = self._started(frame, code)
+    if not followed:
+      info = _INFO[code]
+      return None if (info[1] or info[2]) else sys.monitoring.DISABLE
+    self._frames.add(id(frame))
+    if code not in self._instrumented:
+      sys.monitoring.set_local_events(_TOOL, code, sys.monitoring.events.INSTRUCTION)
+      self._instrumented.add(code)
+    return None
+
+  def _instruction(self, code, offset):
+    if code in _PLANS:
+      self._at(sys._getframe(1), offset)
+    return None
+
+  # -- reads ------------------------------------------------------------------------------------
+  def _read(self, kind, owner, name, value, label):
+    if isinstance(value, torch.Tensor) or type(value).__name__ == "Hyper":
+      return
+    if isinstance(value, types.ModuleType) and kind != "cell":
+      return
+    if kind == "attr" and isinstance(owner, types.ModuleType) and callable(value):
+      return  # a library's function (`F.linear`, `math.sqrt`)
+    if isinstance(value, (types.FunctionType, types.MethodType)):
+      self._note_function(value)
+    loc = Location(kind, owner, name, label, True)
+    ident = loc.ident()
+    if ident not in self.reads:
+      self.reads[ident] = (loc, value)
+
+  def _note_function(self, fn):
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    if code is not None and getattr(fn, "__closure__", None):
+      known = self._functions[code]
+      if not any(f is fn for f in known):
+        known.append(fn)
+
+  def _on_global(self, frame, chain, name):
+    g = frame.f_globals
+    value = g.get(name, _MISSING)
+    if value is _MISSING:
+      value = frame.f_builtins.get(name, _MISSING)
+      if value is print:
+        self._write("prints (print)")
+        return
+    self._read("global", g, name, value, f"global {name!r} of {g.get('__name__', '?')}")
+
+  def _on_deref(self, frame, chain, name):
+    if self._owned_here(frame, name):
+      return
+    value = frame.f_locals.get(name, _MISSING)
+    for fn in self._functions.get(frame.f_code, ()):
+      for cell_name, cell in zip(fn.__code__.co_freevars, fn.__closure__):
+        if cell_name == name:
+          try:
+            same = cell.cell_contents is value
+          except ValueError:
+            same = False
+          if same:
+            index = fn.__code__.co_freevars.index(name)
+            label = f"closure variable {name!r} of {frame.f_code.co_qualname}"
+            self._read("cell", fn, index, value, label)
+            return
+    # A function xladist never saw loaded (made by C code, or reached through a
+    # container): its cell is not guarded (the verification trace checks it).
+    self.unguarded.add(f"closure variable {name!r} of {frame.f_code.co_qualname}")
+
+  def _owned_here(self, frame, name):
+    """Whether the cell `name` of `frame` belongs to a frame started in the step."""
+    f = frame.f_back
+    for _ in range(64):
+      if f is None or id(f) not in self._frames:
+        return False
+      if name in f.f_code.co_cellvars:
+        return True
+      f = f.f_back
+    return False
+
+  def _on_attr(self, frame, chain, name):
+    obj = self._resolve(frame, chain)
+    if obj is _SKIP or self._is_born(obj):
+      return
+    value = static_get(obj, name)
+    if value is _SKIP:
+      if isinstance(obj, _CONTAINERS) and name in _MUTATORS:
+        self._write(f"changes {_path(chain)} ({type(obj).__name__}.{name})")
+      return
+    if value is _MISSING:
+      return
+    if isinstance(obj, torch.nn.Module) and (name == "training" or name[:1] == "_"):
+      # train()/eval() are the signature's modes (a step may set them itself), and
+      # a module's tables (`_modules`, `_parameters`) its structure (signature.py)
+      return
+    self._read("attr", obj, name, value, f"{type(obj).__name__}.{name}")
+
+  def _on_item(self, frame, chain, key):
+    obj = self._resolve(frame, chain)
+    if obj is _SKIP or not isinstance(obj, dict) or self._is_born(obj):
+      return
+    value = obj.get(key, _MISSING)
+    if value is not _MISSING:
+      self._read("item", obj, key, value, f"{_path(chain)}[{key!r}]")
+
+  # -- writes -----------------------------------------------------------------------------------
+  def _write(self, what):
+    if what not in self.writes and len(self.writes) < 8:
+      self.writes.append(what)
+
+  def _on_store_global(self, frame, chain, name):
+    self._write(f"sets global {name!r}")
+
+  def _on_store_deref(self, frame, chain, name):
+    if not self._owned_here(frame, name):
+      self._write(f"sets nonlocal {name!r} of {frame.f_code.co_qualname}")
+
+  def _on_store_attr(self, frame, chain, name):
+    obj = self._resolve(frame, chain) if chain is not None else _SKIP
+    if obj is _SKIP:
+      self._write(f"sets attribute {name!r} of an object xladist cannot follow")
+    elif not self._is_born(obj):
+      self._write(f"sets {_path(chain)}.{name} ({type(obj).__name__})")
+
+  def _on_store_item(self, frame, chain, name):
+    obj = self._resolve(frame, chain) if chain is not None else _SKIP
+    if obj is _SKIP:
+      self._write("sets an item of a container xladist cannot follow")
+    elif not self._is_born(obj) and not isinstance(obj, torch.Tensor):
+      self._write(f"sets an item of {_path(chain)} ({type(obj).__name__})")
+
+  # -- helpers ----------------------------------------------------------------------------------
+  def _resolve(self, frame, chain):
+    kind, name = chain[0]
+    if kind == "global":
+      obj = frame.f_globals.get(name, _MISSING)
+      if obj is _MISSING:
+        obj = frame.f_builtins.get(name, _MISSING)
+    else:
+      obj = frame.f_locals.get(name, _MISSING)
+    for attr in chain[1:]:
+      if obj is _MISSING or obj is _SKIP:
+        return _SKIP
+      obj = static_get(obj, attr)
+    return _SKIP if obj is _MISSING else obj
+
+  def _is_born(self, obj):
+    if id(obj) in self._born:
+      return True
+    if self._tracemalloc and not isinstance(obj, types.ModuleType):
+      return tracemalloc.get_object_traceback(obj) is not None
+    return False
+
+  # -- results ----------------------------------------------------------------------------------
+  def locations(self):
+    """[(Location, value read)] of what the step read, in the order first read."""
+    return list(self.reads.values())
+
+  def why_not_replayed(self):
+    """Words saying what the step wrote, or None."""
+    if self.unavailable is not None:
+      return f"its reads could not be recorded: {self.unavailable}"
+    if not self.writes:
+      return None
+    return WROTE + "; ".join(self.writes)
+
+
+def _path(chain):
+  if chain is None:
+    return "?"
+  root = chain[0][1]
+  return ".".join((root,) + tuple(chain[1:]))
+
+
+_ACTIONS = {
+  "global": Recorder._on_global,
+  "deref": Recorder._on_deref,
+  "attr": Recorder._on_attr,
+  "item": Recorder._on_item,
+  "store_global": Recorder._on_store_global,
+  "store_deref": Recorder._on_store_deref,
+  "store_attr": Recorder._on_store_attr,
+  "store_item": Recorder._on_store_item,
+}
+
+_INFO = {}  # code -> (followed, is an __init__, is logging's Logger.handle)
+_MONITORING = sys.version_info >= (3, 12)
+_TOOL = 4  # the sys.monitoring tool id (0-2 and 5 are named for debuggers, coverage,
+# profilers and optimizers)
+_PLANS = {}  # code -> _plan(code), for followed code
+
+
+def _code_info(code):
+  followed = _followed(code.co_filename)
+  if followed:
+    _PLANS[code] = _plan(code)
+  init = code.co_name == "__init__" and code.co_argcount > 0
+  return followed, init, code is logging.Logger.handle.__code__
+
+
+# -- host random-number generators ---------------------------------------------------------------
+
+_RNG_NAMES = ("random", "numpy.random", "torch's CPU generator")
+
+
+def _rng_states():
+  np = sys.modules.get("numpy")
+  np_state = None
+  if np is not None:
+    try:
+      np_state = np.random.get_state(legacy=False)
+    except Exception:
+      np_state = None
+  return (random.getstate(), np_state, torch.default_generator.get_state())
+
+
+def _same_state(a, b):
+  if isinstance(a, torch.Tensor):
+    return torch.equal(a, b)
+  if isinstance(a, dict):
+    np = sys.modules["numpy"]
+    return a.keys() == b.keys() and all(
+      np.array_equal(a[k], b[k]) if hasattr(a[k], "shape") else _same_state(a[k], b[k]) for k in a
+    )
+  return a == b
+
+
+# -- what the traces of one step function read ----------------------------------------------------
+
+
+class Watched:
+  """The locations the traces of one step function read, in the order first
+  found, and which of them hold a float that changed between steps (`varying`:
+  made a program input, hyper.py). Their values are part of the step's replay
+  key: a value that changed traces the step (the replay guard)."""
+
+  def __init__(self):
+    self.locations = {}  # Location.ident() -> Location
+    self.varying = {}  # Location.ident() -> Location
+
+  def add(self, recorder):
+    for loc, _ in recorder.locations():
+      self.locations.setdefault(loc.ident(), loc)
+
+  def key(self):
+    """What the replay key keeps of the locations' values now."""
+    varying = self.varying
+    out = []
+    for ident, loc in self.locations.items():
+      value = loc.read()
+      if ident in varying and type(value) is float:
+        out.append(("a float input", value if value in (0.0, 1.0) else "a number"))
+      else:
+        out.append(loc.key(value))
+    return tuple(out)
+
+  def changed(self, old, new):
+    """The labels of the locations whose values differ between two keys made by
+    `key` (the same locations), marking the floats among them as varying when
+    only floats changed."""
+    locs = list(self.locations.values())
+    diff = [i for i, (a, b) in enumerate(zip(old, new)) if a != b]
+    if len(old) != len(new) or not diff:
+      return []
+    if all(type(b) is tuple and b and b[0] is float for b in (new[i] for i in diff)):
+      for i in diff:
+        if locs[i].namespace() is not None:
+          self.varying[locs[i].ident()] = locs[i]
+    return [f"{locs[i].label} ({_shown(old[i])} -> {_shown(new[i])})" for i in diff]
+
+  def as_varying(self, values):
+    """`values` (a key made by `key` before some floats became varying) as `key`
+    makes it now, or None when a varying float in it is not 0 or 1: the program
+    of such a key took that float as a constant, so only a key that pins the
+    value (0 and 1 are pinned) stays true."""
+    out = list(values)
+    for i, ident in enumerate(self.locations):
+      if i >= len(out) or ident not in self.varying:
+        continue
+      entry = out[i]
+      if type(entry) is tuple and entry and entry[0] is float:
+        if entry[1] not in (0.0, 1.0):
+          return None
+        out[i] = ("a float input", entry[1])
+    return tuple(out)
+
+  def namespaces(self):
+    """[(dict, key)] of the varying floats, to swap for Hypers while tracing."""
+    out = []
+    for loc in self.varying.values():
+      ns = loc.namespace()
+      if ns is not None:
+        out.append((ns, loc.name))
+    return out
+
+
+def _shown(entry):
+  if isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], type):
+    return repr(entry[1])
+  return repr(entry)
+
+
+def merged(recorders):
+  """One record of several traced steps (experimental_run_steps' group)."""
+  out = Recorder()
+  for r in recorders:
+    if r is None:
+      continue
+    for ident, read in r.reads.items():
+      out.reads.setdefault(ident, read)
+    for what in r.writes:
+      out._write(what)
+    out.unavailable = out.unavailable or r.unavailable
+  return out
