@@ -16,8 +16,16 @@ STAMP := $(XLADIST_VENV)/.xladist-$(shell (sha1sum pyproject.toml; echo '$(CURDI
 TORCH_INDEX_URL ?=
 RUN := $(PY)
 CPU_ENV := PJRT_DEVICE=CPU CPU_NUM_DEVICES=4
+# A clone runs its own code: the venvs are shared between clones and their editable
+# install points at the clone that installed last, so this clone comes first on every
+# interpreter's path, and `own-code` (before the tests and the demo) fails loudly if
+# `import xladist` still finds another tree (tests/test_clone_own_code.py).
+export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH),)
+# (without `-c`'s current directory on the path, as a script such as the demo runs)
+WHERE_XLADIST := -c 'import sys; del sys.path[0]; import os, xladist; \
+	print(os.path.dirname(os.path.dirname(os.path.realpath(xladist.__file__))))'
 
-.PHONY: test-ecosystem test-xla-ecosystem test-jax-ecosystem bench-scaling bench-memory venv venv-jax venv-jax-new test-jax test-jax-old test-jax-new test-xla check demo charlm demo-ps bench-ps test lint bench bench-input bench-collectives bench-logical \
+.PHONY: own-code which-xladist test-ecosystem test-xla-ecosystem test-jax-ecosystem bench-scaling bench-memory venv venv-jax venv-jax-new test-jax test-jax-old test-jax-new test-xla check demo charlm demo-ps bench-ps test lint bench bench-input bench-collectives bench-logical \
 	gpu-wheels gpu-check \
 	bench-first-step bench-checkpoint plots clean-venv
 
@@ -34,12 +42,21 @@ $(STAMP): pyproject.toml
 # BACKEND=jax runs it on the jax runtime (its own environment, `make venv-jax`).
 BACKEND ?= torch_xla
 ifeq ($(BACKEND),jax)
-demo: venv-jax
+demo: venv-jax own-code
 	XLADIST_BACKEND=jax $(JAX_PY) examples/train_digits.py
 else
-demo: venv
+demo: venv own-code
 	$(RUN) examples/train_digits.py
 endif
+
+# Which xladist each environment that exists imports here (one line each).
+which-xladist:
+	@for py in $(PY) $(JAX_PY) $(JAX_NEW_PY); do test ! -x $$py || $$py $(WHERE_XLADIST); done
+
+own-code:
+	@for py in $(PY) $(JAX_PY) $(JAX_NEW_PY); do test ! -x $$py || { \
+	  where=$$($$py $(WHERE_XLADIST)) && test "$$where" = "$$(realpath $(CURDIR))" || { \
+	  echo "make: $$py imports xladist from '$$where', not from this clone ($(CURDIR))" >&2; exit 1; }; }; done
 
 # The second example: a character-level transformer LM on the standard library's
 # sources; ARGS=--resume continues from the newest checkpoint.
@@ -61,7 +78,7 @@ test: venv venv-jax venv-jax-new lint
 # `[time] NAME: N s` after a command, keeping its exit status.
 TIMED = start=$$(date +%s); $(1); rc=$$?; echo "[time] $@: $$(( $$(date +%s) - start )) s (exit $$rc)"; exit $$rc
 
-test-xla: venv
+test-xla: venv own-code
 	@$(call TIMED,$(CPU_ENV) $(RUN) -m pytest -q -p no:cacheprovider -m "not ecosystem_matrix" tests --ignore=tests/runtime_jax)
 
 # The ecosystem's nine models x two loops (tests/ecosystem/test_models.py) on
@@ -94,7 +111,7 @@ CHECK_TESTS := tests/unit tests/test_replay.py tests/test_run_steps.py tests/tes
 	tests/test_tf_variables.py tests/test_compile_watch.py tests/test_strategy.py \
 	tests/test_training.py tests/test_replica_context.py tests/test_values.py \
 	tests/test_losses_and_clipping.py tests/shared tests/runtime_contract
-check: venv lint
+check: venv lint own-code
 	@$(call TIMED,$(CPU_ENV) $(RUN) -m pytest -q -p no:cacheprovider $(CHECK_TESTS))
 
 # The jax runtime (XLADIST_BACKEND=jax) is tested in an environment of its own:
@@ -149,13 +166,13 @@ JAX_TEST_ENV := XLADIST_BACKEND=jax JAX_PLATFORMS=cpu XLADIST_XLA_PYTHON=$(PY)
 test-jax: venv venv-jax venv-jax-new
 	@$(MAKE) --no-print-directory -j2 --output-sync=target test-jax-old test-jax-new
 
-test-jax-old: venv venv-jax
+test-jax-old: venv venv-jax own-code
 	@$(call TIMED,$(JAX_TEST_ENV) $(JAX_PY) -m pytest -q -p no:cacheprovider -m "not ecosystem_matrix" $(JAX_TESTS))
 
 # The newest environment leaves out the full optimizer x scheduler matrix (15 models
 # per step, about 75 s there), which torch_xla and the oldest run; its one-loop cases
 # (every optimizer and scheduler) run here too.
-test-jax-new: venv venv-jax-new
+test-jax-new: venv venv-jax-new own-code
 	@$(call TIMED,$(JAX_TEST_ENV) $(JAX_NEW_PY) -m pytest -q -p no:cacheprovider -m "not full_matrix and not ecosystem_matrix" $(JAX_TESTS))
 
 # Style (ruff, settings in pyproject.toml) and the one-way layers of the package
