@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from xladist.runtime import xla as _runtime
+from xladist.runtime import xla_logs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Printed by XLA at every compilation of a program with shardings, at log level <= 1.
@@ -234,5 +235,5 @@ def test_compile_cache_path(value, device, expected):
 def test_quiet_xla_logs_rule(value, torch_xla_imported, launched_with, expected):
   environ = {} if value is None else {"TF_CPP_MIN_LOG_LEVEL": value}
   modules = {"torch_xla": object()} if torch_xla_imported else {}
-  _runtime._quiet_xla_logs(environ, modules, launched_with)
+  xla_logs.quiet_xla_logs(environ, modules, launched_with)
   assert environ["TF_CPP_MIN_LOG_LEVEL"] == expected

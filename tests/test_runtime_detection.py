@@ -20,7 +20,7 @@ import warnings
 
 import pytest
 
-from xladist.runtime import xla as _runtime
+from xladist.runtime import xla_device_detection as detection
 
 GOOGLE = "0x1ae0"
 GVNIC = "0x0042"
@@ -55,7 +55,7 @@ def fake_sysfs(root, devices):
 def detect(root, environ=None, libtpu=True):
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # no warning expected unless a test says so
-    return _runtime._detect_device_type(environ or {}, root, libtpu)
+    return detection.detect_device_type(environ or {}, root, libtpu)
 
 
 def test_gvnic_only_is_cpu(tmp_path):
@@ -63,7 +63,7 @@ def test_gvnic_only_is_cpu(tmp_path):
   root = fake_sysfs(tmp_path, [(INTEL, "0x0d57"), (GOOGLE, GVNIC), (VIRTIO, "0x1041")])
   assert detect(root) == "CPU"
   assert detect(root, {"TPU_LIBRARY_PATH": "/opt/libtpu.so"}, libtpu=None) == "CPU"
-  assert _runtime.tpu_chips(root) == []
+  assert detection.tpu_chips(root) == []
 
 
 def test_gpu_vm_with_gvnic_is_cpu(tmp_path):
@@ -80,7 +80,7 @@ def test_no_pci_devices_is_cpu(tmp_path):
 def test_each_tpu_generation_with_libtpu_is_tpu(tmp_path, device_id):
   root = fake_sysfs(tmp_path, [(GOOGLE, GVNIC)] + [(GOOGLE, device_id)] * 4)
   assert detect(root) == "TPU"
-  assert len(_runtime.tpu_chips(root)) == 4  # the NIC is not counted
+  assert len(detection.tpu_chips(root)) == 4  # the NIC is not counted
   # libtpu found through TPU_LIBRARY_PATH, as torch_xla finds it
   assert detect(root, {"TPU_LIBRARY_PATH": "/opt/libtpu.so"}, libtpu=None) == "TPU"
 
@@ -90,7 +90,7 @@ def test_tpu_chips_without_libtpu_run_on_cpu_with_a_warning(tmp_path, device_id)
   """torch_xla's rule needs libtpu too: without it torch_xla itself picks CPU."""
   root = fake_sysfs(tmp_path, [(GOOGLE, device_id)])
   with pytest.warns(RuntimeWarning, match=r"1 TPU chip\(s\).*libtpu.*xladist\[tpu\]"):
-    assert _runtime._detect_device_type({}, root, libtpu=False) == "CPU"
+    assert detection.detect_device_type({}, root, libtpu=False) == "CPU"
 
 
 def test_tpu_device_id_of_another_vendor_is_not_a_tpu(tmp_path):
@@ -132,9 +132,9 @@ def test_table_is_torch_xlas(tmp_path):
     and isinstance(node.targets[0], ast.Name)
     and node.targets[0].id in ("_TPU_PCI_DEVICE_IDS", "_GOOGLE_PCI_VENDOR_ID")
   }
-  assert sorted(tables["_TPU_PCI_DEVICE_IDS"]) == sorted(_runtime.TPU_PCI_DEVICE_IDS)
-  assert sorted(TPU_IDS) == sorted(_runtime.TPU_PCI_DEVICE_IDS)
-  assert tables["_GOOGLE_PCI_VENDOR_ID"] == _runtime.GOOGLE_PCI_VENDOR == GOOGLE
+  assert sorted(tables["_TPU_PCI_DEVICE_IDS"]) == sorted(detection.TPU_PCI_DEVICE_IDS)
+  assert sorted(TPU_IDS) == sorted(detection.TPU_PCI_DEVICE_IDS)
+  assert tables["_GOOGLE_PCI_VENDOR_ID"] == detection.GOOGLE_PCI_VENDOR == GOOGLE
 
 
 def _spec(name, folder=None):
@@ -157,11 +157,11 @@ def test_libtpu_found_as_torch_xla_finds_it(tmp_path):
     return lambda name: specs.get(name)
 
   nothing = finder(torch_xla=_spec("torch_xla", plain_xla))
-  assert not _runtime.libtpu_found({}, nothing)
-  assert not _runtime.libtpu_found({}, finder())  # no torch_xla either
-  assert _runtime.libtpu_found({"TPU_LIBRARY_PATH": ""}, nothing)  # set at all, as torch_xla
-  assert _runtime.libtpu_found({}, finder(torch_xla=_spec("torch_xla", bundled_xla)))
-  assert _runtime.libtpu_found(
+  assert not detection.libtpu_found({}, nothing)
+  assert not detection.libtpu_found({}, finder())  # no torch_xla either
+  assert detection.libtpu_found({"TPU_LIBRARY_PATH": ""}, nothing)  # set at all, as torch_xla
+  assert detection.libtpu_found({}, finder(torch_xla=_spec("torch_xla", bundled_xla)))
+  assert detection.libtpu_found(
     {}, finder(torch_xla=_spec("torch_xla", plain_xla), libtpu=_spec("libtpu", tmp_path))
   )
 
@@ -169,10 +169,10 @@ def test_libtpu_found_as_torch_xla_finds_it(tmp_path):
 _CHILD = textwrap.dedent(
   """
   import importlib.util, json, sys
-  spec = importlib.util.spec_from_file_location("xladist_runtime", sys.argv[1])
-  runtime = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(runtime)
-  found = runtime._detect_device_type(None, sys.argv[2])
+  spec = importlib.util.spec_from_file_location("xladist_detection", sys.argv[1])
+  detection = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(detection)
+  found = detection.detect_device_type(None, sys.argv[2])
   print(json.dumps({
     "device": found,
     "imported": sorted(m for m in ("torch", "torch_xla", "libtpu") if m in sys.modules),
@@ -183,12 +183,12 @@ _CHILD = textwrap.dedent(
 
 def test_detection_imports_neither_torch_xla_nor_libtpu(tmp_path):
   """Detection runs before torch_xla is imported (its import picks a device of its
-  own), in a fresh process that loads only the runtime module's file."""
+  own), in a fresh process that loads only the detection module's file."""
   root = fake_sysfs(tmp_path / "sys", [(GOOGLE, GVNIC), (GOOGLE, "0x005e")])
   env = {k: v for k, v in os.environ.items() if k != "PJRT_DEVICE"}
   env["TPU_LIBRARY_PATH"] = str(tmp_path / "libtpu.so")  # libtpu "found"
   proc = subprocess.run(
-    [sys.executable, "-c", _CHILD, _runtime.__file__, root],
+    [sys.executable, "-c", _CHILD, detection.__file__, root],
     env=env,
     capture_output=True,
     text=True,

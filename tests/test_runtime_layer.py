@@ -1,6 +1,7 @@
 """The runtime layer (issue 21): xladist imports without torch_xla, names the
-missing runtime when a strategy starts it, and only runtime/xla.py imports
-torch_xla (import-linter's contract in pyproject.toml, run by `make lint`)."""
+missing runtime when a strategy starts it, and only the torch_xla runtime's
+modules (runtime/xla*.py) import torch_xla (import-linter's contract in
+pyproject.toml, run by `make lint`)."""
 
 import os
 import subprocess

@@ -11,8 +11,9 @@ import torch
 from xladist import context
 from xladist import runtime as _runtime
 from xladist.reduce_util import ReduceOp
+from xladist.replica_copies import copies_of
 from xladist.values import DistributedValues, Mirrored, PerReplica, as_components, check_components
-from xladist.variable_store import copies_of, mirrored_replicas
+from xladist.variable_store import mirrored_replicas
 
 
 def check_axis(axis, rank, api):

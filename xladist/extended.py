@@ -29,8 +29,9 @@ from xladist.communication_options import check_options
 from xladist.input import dataset as input_dataset
 from xladist.input.options import InputContext, InputReplicationMode
 from xladist.reduce_util import ReduceOp, as_reduce_op
+from xladist.replica_copies import copies_of
 from xladist.values import DistributedValues, Mirrored, PerReplica, as_components
-from xladist.variable_store import copies_of, cross_replica_read
+from xladist.variable_store import cross_replica_read
 
 
 def _require_no_other_strategy(strategy, what):

@@ -20,6 +20,7 @@ from torch.optim import optimizer as torch_optimizer
 
 from xladist import context
 from xladist import runtime as _runtime
+from xladist.replica_copies import copies_of, spread
 from xladist.variable_policy import (
   Policy,
   VariableAggregation,
@@ -29,7 +30,7 @@ from xladist.variable_policy import (
   policy_of,
   set_policy,
 )
-from xladist.variable_store import copies_of, cross_replica_read, spread
+from xladist.variable_store import cross_replica_read
 
 VA, VS = VariableAggregation, VariableSynchronization
 _SUM_CROSS_REPLICA = (

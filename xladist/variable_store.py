@@ -11,8 +11,8 @@ new Parameter objects.)
 Inside `run` every variable's `.data` (and `.grad`) is swapped for its local view
 on entry and back to a global view on exit; optimizer state is swapped the same
 way. What a step wrote is found by comparing each variable's IR value on exit
-with the one it entered with (see `Step`), and each written variable leaves by
-its policy (docs/architecture.md, "Writes"):
+with the one it entered with (the step's ledger: `StepWrites`, step_writes.py),
+and each written variable leaves by its policy (docs/architecture.md, "Writes"):
 
 * mirrored (ON_WRITE), aggregation NONE: each replica keeps what it wrote (TF 2);
 * mirrored with an aggregation: writes made through `Variable.assign*`, an
@@ -20,8 +20,8 @@ its policy (docs/architecture.md, "Writes"):
   write is combined on exit (MEAN: the replicas' mean, ONLY_FIRST_REPLICA:
   replica 0's) or, for SUM, refused;
 * sync-on-read (ON_READ): each replica's component is kept between steps in a
-  hidden (num_replicas, ...) tensor (`ReplicaCopies`); the module attribute holds
-  their aggregate, which is what cross-replica code reads.
+  hidden (num_replicas, ...) tensor (`ReplicaCopies`, replica_copies.py); the
+  module attribute holds their aggregate, which is what cross-replica code reads.
 """
 
 import weakref
@@ -33,13 +33,12 @@ from xladist import collectives
 from xladist import runtime as _runtime
 from xladist import variable_policy as policies
 from xladist.reduce_util import ReduceOp
+from xladist.replica_copies import ReplicaCopies, copies_of, count_traced_step, watch_forward
 
 VA = policies.VariableAggregation
-_COPIES = "_xladist_replicas"  # attribute of an ON_READ tensor (see ReplicaCopies)
 # Attribute of a mirrored variable of a strategy with several replicas: their
 # number (TF: a MirroredVariable is a DistributedValues; see mirrored_replicas).
 _MIRRORED = "_xladist_mirrored"
-_tracing = [0]  # how many steps are being traced (any strategy, any thread)
 
 
 class _PlacementError(RuntimeError):
@@ -63,7 +62,7 @@ class VariableStore:
     self._hook_handles = None
     self._scope_depth = 0
     self._overrides = []  # tower_local_var_scope policies, innermost last
-    self.active_step = None  # the Step of the run being traced
+    self.active_step = None  # the StepWrites of the run being traced
 
   @property
   def policy_override(self):
@@ -259,11 +258,11 @@ class VariableStore:
       self.num_replicas > 1
       and _runtime.is_device_tensor(t)
       and policies.policy_of(t).on_read
-      and getattr(t, _COPIES, None) is None
+      and copies_of(t) is None
     ):
       ReplicaCopies.create(t, self.num_replicas)
       if isinstance(module, torch.nn.Module):
-        _watch_forward(module)
+        watch_forward(module)
     self._mark_mirrored(t)
 
   def _mark_mirrored(self, t):
@@ -330,11 +329,11 @@ class VariableStore:
   def enter(self, step):
     """Swaps every variable (and its grad) and optimizer state for its local view.
 
-    `step` (a `Step`) records what was swapped and the IR identity of each
+    `step` (a `StepWrites`) records what was swapped and the IR identity of each
     local view, so that `exit` converts back only what the step wrote.
     """
     self.active_step = step
-    _tracing[0] += 1
+    count_traced_step(1)
     for t in self.variables():
       self.enter_variable(t, step)
     for optimizer in self.optimizers():
@@ -365,7 +364,7 @@ class VariableStore:
       torch.utils.swap_tensors(t, placed)
       local = _runtime.to_local(t.data)
     if self.num_replicas > 1 and policies.policy_of(t).on_read:
-      _watch_forward(module)
+      watch_forward(module)
     step.created.add(id(t))
     self._mark_mirrored(t)
     self.enter_variable(t, step, local=local)
@@ -381,7 +380,7 @@ class VariableStore:
     data, grad = t.data, t.grad
     policy = policies.policy_of(t)
     if local is None:
-      copies = getattr(t, _COPIES, None)
+      copies = copies_of(t)
       if copies is not None:
         local = _runtime.to_local(copies.current(t, self.describe)).squeeze(0)
       else:
@@ -451,20 +450,19 @@ class VariableStore:
             _runtime.sharding(local.dim() + 1, n),
             torch.Size((n,) + tuple(local.shape)),
           )
-          copies = getattr(t, _COPIES, None)
+          copies = copies_of(t)
           if copies is None:  # made inside this step
-            copies = ReplicaCopies(stacked, n, aggregation)
-            setattr(t, _COPIES, copies)
+            copies = ReplicaCopies(stacked, n, aggregation).attach(t)
           copies.stacked = stacked
     for t, _, _, _ in step.variables:
-      copies = getattr(t, _COPIES, None)
+      copies = copies_of(t)
       if copies is not None:
         copies.restamp(t)
     for optimizer, _ in step.optimizers:
       for state, key, v in list(VariableStore.optimizer_state_slots(optimizer)):
         state[key] = to_global(v)
     self.active_step = None
-    _tracing[0] -= 1
+    count_traced_step(-1)
 
   def restore(self, step):
     """Puts back the global tensors saved by `enter` (after a failed trace)."""
@@ -474,7 +472,7 @@ class VariableStore:
         data = _runtime.place_replicated(torch.zeros(t.shape, dtype=t.dtype))
       t.data = data
       t.grad = grad
-      copies = getattr(t, _COPIES, None)
+      copies = copies_of(t)
       if copies is not None:
         copies.restamp(t)
     for optimizer, snapshot in step.optimizers:
@@ -482,7 +480,7 @@ class VariableStore:
       optimizer.state.update(snapshot)
     if self.active_step is step:
       self.active_step = None
-      _tracing[0] -= 1
+      count_traced_step(-1)
 
 
 def _aggregate(region, aggregation, tensors):
@@ -492,152 +490,6 @@ def _aggregate(region, aggregation, tensors):
     tensors = [torch.where(first, t, torch.zeros_like(t)) for t in tensors]
     return collectives.all_reduce(ReduceOp.SUM, tensors, region.num_replicas)
   return collectives.all_reduce(ReduceOp[aggregation.name], tensors, region.num_replicas)
-
-
-def spread(value, aggregation, num_replicas):
-  """The (num_replicas, ...) components a cross-replica assignment of `value` gives.
-
-  TF's rule (values_util.on_read_assign_cross_replica, get_on_read_restore_ops):
-  SUM divides the value among the replicas, the others give it to each.
-  Integers are divided exactly: replica 0 takes the remainder (TF truncates
-  value / N, which loses it).
-  """
-  stacked_shape = (num_replicas,) + tuple(value.shape)
-  if aggregation is not VA.SUM:
-    return value.unsqueeze(0).expand(stacked_shape)
-  if value.is_floating_point() or value.is_complex():
-    return (value / num_replicas).unsqueeze(0).expand(stacked_shape)
-  share = torch.div(value, num_replicas, rounding_mode="floor")
-  first = value - share * (num_replicas - 1)
-  return torch.cat(
-    [first.unsqueeze(0), share.unsqueeze(0).expand((num_replicas - 1,) + tuple(value.shape))]
-  )
-
-
-def aggregate_host(stacked, aggregation):
-  """The cross-replica value of (num_replicas, ...) components (global view)."""
-  if aggregation is VA.SUM:
-    return stacked.sum(0)
-  if aggregation is VA.MEAN:
-    if stacked.is_floating_point():
-      return stacked.mean(0)
-    return torch.div(stacked.sum(0), stacked.shape[0], rounding_mode="floor")
-  return stacked[0]
-
-
-class ReplicaCopies:
-  """The per-replica components of one sync-on-read variable, between steps.
-
-  TF keeps each replica's component of a SyncOnReadVariable and reduces them
-  when it is read in cross-replica context. Here the components live in one
-  hidden (num_replicas, ...) tensor split over the replica axis, and the module
-  attribute (what `state_dict()`, checkpoints and any cross-replica code read)
-  holds their aggregate. A write to the attribute outside a step is a
-  cross-replica assignment: the next use spreads it to the components (TF's
-  rule, `spread`). Such writes are found without reading values: by the
-  tensor's version counter, its functionalization mutation counter and
-  torch_xla's id of the tensor behind it (all unchanged by `torch_xla.sync()`),
-  and, for
-  torch_xla's batch-norm kernel, which updates running statistics without
-  touching either, by a forward pre-hook on the module (`_watch_forward`).
-  """
-
-  __slots__ = ("stacked", "num_replicas", "aggregation", "stamp", "dirty")
-
-  def __init__(self, stacked, num_replicas, aggregation):
-    self.stacked = stacked
-    self.num_replicas = num_replicas
-    self.aggregation = aggregation
-    self.stamp = None
-    self.dirty = False
-
-  @classmethod
-  def create(cls, t, num_replicas):
-    """Every replica starts from the tensor's value (TF: components start equal);
-    the attribute then holds their aggregate (SUM: num_replicas times it)."""
-    aggregation = policies.policy_of(t).aggregation
-    with torch.no_grad():
-      stacked = _runtime.place_split(
-        t.detach().unsqueeze(0).expand((num_replicas,) + tuple(t.shape)).clone()
-      )
-      if aggregation is VA.SUM:
-        t.mul_(num_replicas)
-    copies = cls(stacked, num_replicas, aggregation)
-    setattr(t, _COPIES, copies)
-    copies.restamp(t)
-    return copies
-
-  def copy_to(self, t):
-    """Gives `t` (a copy of this variable's tensor) a copy of these components."""
-    copies = ReplicaCopies(
-      _runtime.place_split(self.stacked.clone()), self.num_replicas, self.aggregation
-    )
-    setattr(t, _COPIES, copies)
-    copies.restamp(t)
-
-  def restamp(self, t):
-    self.stamp = _write_stamp(t)
-    self.dirty = False
-
-  def changed(self, t):
-    return self.dirty or _write_stamp(t) != self.stamp
-
-  def current(self, t, describe):
-    """The components, after applying a cross-replica write of the attribute."""
-    if self.changed(t):
-      value = t.detach()
-      if tuple(value.shape) != tuple(self.stacked.shape[1:]) or value.dtype != self.stacked.dtype:
-        raise RuntimeError(
-          f"xladist: the sync-on-read variable {describe(t)} was replaced outside "
-          f"strategy.run by a tensor of shape {tuple(value.shape)} and dtype "
-          f"{value.dtype}, but its per-replica components have shape "
-          f"{tuple(self.stacked.shape[1:])} and dtype {self.stacked.dtype}; "
-          "write values of the variable's shape and dtype (e.g. with copy_)."
-        )
-      with torch.no_grad():
-        self.stacked = _runtime.place_split(
-          spread(_runtime.ensure_sharded(value), self.aggregation, self.num_replicas).contiguous()
-        )
-      self.restamp(t)
-    return self.stacked
-
-
-def _write_stamp(t):
-  """What changes when `t` is written outside a step, and not when it is synced:
-  its version counter (in-place ops), its functionalization mutation counter
-  (also `t.data.copy_`, whose version counter is another) and torch_xla's id
-  of the tensor behind it (`.data =`, `set_`; ids are never reused)."""
-  if torch._is_functional_tensor(t):
-    return (t._version, torch._functionalize_mutation_counter(t), _runtime.creation_index(t))
-  return (t._version, _runtime.creation_index(t))
-
-
-def _watch_forward(module):
-  """Marks a module's sync-on-read buffers as written when it runs outside a step.
-
-  torch_xla 2.9's batch-norm kernel updates running statistics in place without
-  bumping the version or mutation counters, so a forward in training mode in
-  cross-replica context would otherwise go unnoticed.
-  """
-  if getattr(module, "_xladist_watched", False):
-    return
-
-  def pre_hook(mod, args):
-    if _tracing[0]:
-      return None  # inside a step: the step's exit sees the writes
-    for t in mod._buffers.values():
-      copies = getattr(t, _COPIES, None) if t is not None else None
-      if copies is not None:
-        copies.dirty = True
-    return None
-
-  module.register_forward_pre_hook(pre_hook)
-  module._xladist_watched = True
-
-
-def copies_of(t):
-  """The ReplicaCopies of a sync-on-read variable with several replicas, else None."""
-  return getattr(t, _COPIES, None)
 
 
 def mirrored_replicas(t):
@@ -655,97 +507,3 @@ def cross_replica_read(t, step):
   if not policy.on_read or step.region.num_replicas == 1:
     return t
   return _aggregate(step.region, policy.aggregation, [t.detach()])[0]
-
-
-class Step:
-  """What one `run` swapped into its region, and what the step wrote.
-
-  A write is found by comparing a variable's IR value on exit with the one it
-  had when it was entered or last written through an API that combines the
-  replicas' values (`sanction`). The IR node the comparison refers to is kept
-  alive by an alias ("pin"): a write such as `p.copy_(torch.ones_like(p))`
-  frees the old node, and the new one can be allocated at the same address,
-  which made the write invisible (checked on torch_xla 2.9).
-  """
-
-  __slots__ = (
-    "region",
-    "variables",
-    "optimizers",
-    "stepped",
-    "variable_ids",
-    "_ids",
-    "_pins",
-    "aggregated",
-    "_sanctioned",
-    "created",
-    "optimizer_clean",
-    "aggregated_grads",
-  )
-
-  def __init__(self, region):
-    self.region = region
-    self.variables = []  # (tensor, global data, global grad, policy)
-    self.optimizers = []  # (optimizer, state snapshot)
-    self.stepped = set()  # ids of parameters an optimizer stepped
-    # id(parameter) -> its gradient aggregated across replicas in this step
-    # (by gradient clipping before optimizer.step(); see _step/grad_clip.py).
-    self.aggregated_grads = {}
-    self.variable_ids = None
-    self._ids = {}  # id(tensor) -> IR id when entered
-    self._pins = []
-    self.aggregated = []  # mirrored variables with an aggregation
-    self._sanctioned = {}  # id(tensor) -> IR id after its last combined write
-    self.created = set()  # ids of variables made inside the step
-    self.optimizer_clean = {}  # id(optimizer) -> aggregated params it may sanction
-
-  def watch(self, t):
-    self._pins.append(torch.ops.aten.alias(t.data))
-    self._ids[id(t)] = _runtime.value_id(t)
-    self.variable_ids = None
-
-  def written(self, t):
-    return id(t) in self.created or _runtime.value_id(t) != self._ids[id(t)]
-
-  def is_variable(self, tensor):
-    if self.variable_ids is None:
-      self.variable_ids = {id(t) for t, *_ in self.variables}
-    return id(tensor) in self.variable_ids
-
-  # -- writes that combine the replicas' values ----------------------------------
-  def _expected(self, t):
-    return self._sanctioned.get(id(t), self._ids[id(t)])
-
-  def clean(self, tensors):
-    """Which of `tensors` have no write since entry or their last combined write."""
-    return [t for t in tensors if _runtime.value_id(t) == self._expected(t)]
-
-  def sanction(self, tensors):
-    """Records the current values of `tensors` as written by a combining API."""
-    for t in tensors:
-      self._pins.append(torch.ops.aten.alias(t.data))
-      self._sanctioned[id(t)] = _runtime.value_id(t)
-
-  def is_aggregated(self, t):
-    return any(a is t for a in self.aggregated)
-
-  def sanctioned(self, t):
-    return id(t) in self._sanctioned and _runtime.value_id(t) == self._sanctioned[id(t)]
-
-  def updating(self, fn):
-    """Calls `fn()` in an update context: what it writes is each replica's own
-    component, as written (TF's extended.update)."""
-    before = [(t, _runtime.value_id(t)) for t in self.aggregated]
-    result = fn()
-    self.sanction([t for t, ir in before if _runtime.value_id(t) != ir])
-    return result
-
-  def combining(self, fn):
-    """Calls `fn()`; mirrored variables with an aggregation that it writes, and
-    that had no other write before, count as written by a combining API."""
-    if not self.aggregated:
-      return fn()
-    clean = self.clean(self.aggregated)
-    result = fn()
-    self.sanction([t for t in clean if _runtime.value_id(t) != self._expected(t)])
-    return result

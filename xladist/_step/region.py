@@ -16,8 +16,8 @@ import torch
 
 from xladist import _logical, collectives
 from xladist import runtime as _runtime
+from xladist.step_writes import StepWrites
 from xladist.values import _NOT_CONSTANT, DistributedValues, Mirrored, PerReplica
-from xladist.variable_store import Step
 
 HOST_READ_MESSAGE = (
   "strategy.run: the step function read a traced tensor's value on the host "
@@ -51,7 +51,7 @@ class Region:
     self._all_reduce = all_reduce
     self.num_replicas = strategy.num_replicas_in_sync
     self.active = True
-    self.step = Step(self)
+    self.step = StepWrites(self)
     self._replica_id = None
     self._core_axis = None
     # Tensors made before the step began have smaller XLA tensor ids: what the

@@ -29,8 +29,8 @@ from xladist._step.replay_slots import (
   OPT,
   VAR,
 )
+from xladist.replica_copies import copies_of
 from xladist.values import Mirrored, PerReplica
-from xladist.variable_store import copies_of
 
 logger = logging.getLogger("xladist")
 

@@ -14,8 +14,8 @@ by adding to them (hyper.py).
 import torch
 
 from xladist import runtime as _runtime
+from xladist.replica_copies import copies_of
 from xladist.values import DistributedValues
-from xladist.variable_store import copies_of
 
 _PLAIN = (bool, int, float, str, bytes, type(None))
 

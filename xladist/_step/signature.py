@@ -25,8 +25,8 @@ import torch
 
 from xladist import runtime as _runtime
 from xladist._nest import flatten_with_path
+from xladist.replica_copies import copies_of
 from xladist.values import DistributedValues, Mirrored, PerReplica
-from xladist.variable_store import copies_of
 
 _PLAIN = (bool, int, float, str, bytes, type(None))
 

@@ -8,7 +8,7 @@ import torch
 from xladist.checkpoint.file_io import api_name, check_plain
 from xladist.input import order
 from xladist.input.dataset import DistributedDataset, DistributedIterator
-from xladist.variable_store import copies_of
+from xladist.replica_copies import copies_of
 
 MODULE, STATEFUL, ITERATOR, TENSOR, VALUE = (
   "module",

@@ -2,18 +2,18 @@
 
 Everything above this package (steps, strategies, input, checkpoints) reaches
 devices, collectives and host transfers through the names bound here, never
-through a runtime library directly (import-linter: only `xladist.runtime.xla`
-imports torch_xla). The names are exactly the operations of the runtime
-contract (runtime/contract.py: `Runtime`, `ProgramReplay`,
-`ShardedCheckpoints`, `Diagnostics`), each with a meaning that does not depend
-on how a runtime records or runs a step; `tests/runtime_contract/` checks
-every runtime against it. Two runtimes exist, chosen by `XLADIST_BACKEND` when
-xladist is imported:
+through a runtime library directly (import-linter: only the torch_xla runtime's
+modules, `xladist.runtime.xla*`, import torch_xla). The names are exactly the
+operations of the runtime contract (runtime/contract.py: `Runtime`,
+`ProgramReplay`, `ShardedCheckpoints`, `Diagnostics`), each with a meaning that
+does not depend on how a runtime records or runs a step;
+`tests/runtime_contract/` checks every runtime against it. Two runtimes exist,
+chosen by `XLADIST_BACKEND` when xladist is imported:
 
-* `xla` (runtime/xla.py and its modules xla_programs.py, xla_idioms.py,
-  xla_lowerings.py): torch_xla 2.9 in SPMD mode, one process per host, XLA:CPU
-  or TPU. `XLADIST_BACKEND=torch_xla` (the default where torch_xla is
-  installed) selects it;
+* `xla` (runtime/xla.py and its modules xla_*.py, listed in its docstring):
+  torch_xla 2.9 in SPMD mode, one process per host, XLA:CPU or TPU.
+  `XLADIST_BACKEND=torch_xla` (the default where torch_xla is installed)
+  selects it;
 * `jax_runtime` (runtime/jax_runtime.py and its modules, with
   runtime/torchax_fixes.py): JAX through torchax, XLA:CPU or NVIDIA GPUs,
   several processes through `jax.distributed`. `XLADIST_BACKEND=jax` (the
@@ -65,7 +65,7 @@ def _check_backend():
 
 
 def initialize():
-  """Starts the selected runtime once per process (runtime/xla.py, runtime/jax_runtime.py)."""
+  """Starts the selected runtime once per process (runtime/xla_start.py, runtime/jax_devices.py)."""
   _check_backend()
   return _backend.initialize()
 

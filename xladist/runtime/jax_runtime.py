@@ -292,5 +292,5 @@ def foreign_idioms(handlers):
   yield
 
 
-def compile_cache_path(device_type=None, environ=None):  # noqa: F811  (runtime/xla.py's signature)
+def compile_cache_path(device_type=None, environ=None):  # noqa: F811  (runtime/xla_compile_cache.py's signature)
   return None

@@ -1,16 +1,29 @@
-"""The torch_xla runtime: device discovery, SPMD initialisation, meshes, manual
-regions, collectives' lowering, host transfers, counters and RNG state.
+"""The torch_xla runtime: the contract's operations (runtime/contract.py) on
+torch_xla 2.9 in SPMD mode: devices, meshes, manual regions, collectives' lowering,
+host transfers, counters and RNG state.
 
-This is the only module of xladist that imports torch_xla (import-linter's
-"only the runtime imports torch_xla" contract): everything else reaches it
-through the facade `xladist.runtime` (see its docstring for the interface).
+runtime/__init__.py binds the contract's names from this module when torch_xla
+is the selected runtime. The rest of the torch_xla runtime is in its own modules,
+which this one imports or re-exports:
+
+* xla_start.py: starting torch_xla once per process (`initialize`), and the
+  runtime's state (`num_devices`, `device`);
+* xla_device_detection.py: which device torch_xla runs on (TPU or XLA:CPU),
+  decided without importing torch;
+* xla_compile_cache.py: the persistent compilation cache (`compile_cache_path`);
+* xla_logs.py: the level of XLA's C++ log, set when this module is imported;
+* xla_gru.py: torch's GRU where torch_xla puts its scan-based one;
+* xla_programs.py: replay's side (`last_program`, `run_program`, ...);
+* xla_idioms.py: torch_xla's xm.* idioms inside a traced step;
+* xla_lowerings.py: ops torch_xla has no lowering for, composed of ops it lowers.
+
+These are the only modules of xladist that import torch_xla (import-linter's
+"only the torch_xla runtime imports torch_xla" contract): everything else
+reaches them through the facade `xladist.runtime` (see its docstring).
 
 Facts this module relies on (torch 2.9.0 + torch_xla 2.9.0, checked by spikes
 recorded in docs/architecture.md):
 
-* `xr.use_spmd()` is process-wide and must come before any tensor touches an XLA
-  device; once torch_xla has placed a tensor in its non-SPMD mode the "SPMD config"
-  is locked.
 * A manual region is entered per tensor with `_spmd_full_to_shard_shape` on a tensor
   that carries a sharding, and left with `_mark_manual_sharding` +
   `_spmd_shard_to_full_shape`. The Python wrappers `xs.enable_manual_sharding` /
@@ -24,282 +37,38 @@ recorded in docs/architecture.md):
 
 import contextlib
 import functools
-import glob
-import importlib.util
-import os
-import sys
-import threading
 import traceback
-import warnings
 
 import numpy as np
 
-_LOG_LEVEL = "TF_CPP_MIN_LOG_LEVEL"
-_TORCH_XLA_LOG_LEVEL = "1"  # what torch_xla's import sets when the variable is unset
+from xladist.runtime import host, xla_programs
+from xladist.runtime.host import HostReadInStep, call_with_timeout  # noqa: F401  (interface)
+from xladist.runtime.xla_compile_cache import (  # noqa: F401  (this runtime's own names)
+  COMPILE_CACHE_DEVICE_TYPES,
+  compile_cache_path,
+)
+from xladist.runtime.xla_device_detection import detect_device_type
+from xladist.runtime.xla_gru import torch_gru
+from xladist.runtime.xla_logs import quiet_xla_logs
+from xladist.runtime.xla_programs import (  # noqa: F401  (interface)
+  PendingInput,
+  host_work,
+  in_traced_step,
+  last_program,
+  prepare_program,
+)
+from xladist.runtime.xla_start import (  # noqa: F401  (interface)
+  device,
+  initialize,
+  is_initialized,
+  num_devices,
+)
 
-
-def _launch_environment():
-  """The variables this process was started with (Linux), or None where unknown.
-
-  /proc/self/environ keeps the environment the process was launched with;
-  assignments to os.environ since then do not show there.
-  """
-  try:
-    with open("/proc/self/environ", "rb") as f:
-      entries = f.read().split(b"\0")
-  except OSError:
-    return None
-  return {e.partition(b"=")[0].decode(errors="replace") for e in entries if e}
-
-
-def _quiet_xla_logs(environ=None, modules=None, launched_with=None):
-  """Shows XLA's C++ log from errors on (level 2) unless the user chose a level.
-
-  XLA's C++ logging prints warnings at every compilation (GSPMD's deprecation
-  notice, once per program compiled). The level is read when the C++
-  library logs for the first time (at the first compilation or runtime start),
-  so setting it here is in time even when torch_xla was imported (not yet used)
-  before xladist. torch_xla's
-  import sets level 1 where none was set: that value, with torch_xla imported
-  before xladist and the variable not in the launch environment, is taken as
-  torch_xla's default, not the user's choice. The arguments are for tests.
-  """
-  environ = os.environ if environ is None else environ
-  modules = sys.modules if modules is None else modules
-  value = environ.get(_LOG_LEVEL)
-  if value is None:
-    environ[_LOG_LEVEL] = "2"
-  elif value == _TORCH_XLA_LOG_LEVEL and "torch_xla" in modules:
-    launched_with = _launch_environment() if launched_with is None else launched_with
-    if launched_with is not None and _LOG_LEVEL not in launched_with:
-      environ[_LOG_LEVEL] = "2"
-
-
-_quiet_xla_logs()
+# When xladist is imported: before torch_xla's C++ library logs for the first time.
+quiet_xla_logs()
 
 REPLICA_AXIS = "replica"
 CORE_AXIS = "core"
-DEFAULT_CPU_DEVICES = 4
-
-# TPU chips are PCI devices of Google's vendor id with one of these device ids:
-# the table of torch_xla 2.9 (`_TPU_PCI_DEVICE_IDS` in torch_xla/_internal/tpu.py,
-# which torch_xla also uses to pick its own default device and libtpu's flags).
-# Google's vendor id alone is not a TPU: gVNIC, the virtual NIC of ordinary
-# Compute Engine CPU and GPU VMs, is vendor 0x1ae0, device 0x0042.
-GOOGLE_PCI_VENDOR = "0x1ae0"
-TPU_PCI_DEVICE_IDS = {
-  "0x0027": "TPU v2 / v3",
-  "0x005e": "TPU v4",
-  "0x0063": "TPU v5e",
-  "0x006f": "TPU v6e",
-  "0x0076": "TPU7x",
-  # torch_xla lists these two as "testing only" (JAX's table names 0x0062 v5p).
-  "0x0056": "TPU (no public name)",
-  "0x0062": "TPU v5p",
-}
-
-_lock = threading.Lock()
-_state = None  # the _Runtime once initialised
-
-
-class _Runtime:
-  """What xladist learnt about the process when it initialised torch_xla."""
-
-  def __init__(self, device_type, num_devices):
-    import torch_xla
-
-    self.device_type = device_type
-    self.num_devices = num_devices
-    self.device = torch_xla.device()  # the one SPMD virtual device, "xla:0"
-    self.device_name = str(self.device)  # as torch_xla's bindings name it (read per replay)
-
-
-def _read_id(path):
-  try:
-    with open(path) as f:
-      return f.read().strip().lower()
-  except OSError:
-    return None
-
-
-def tpu_chips(sysfs_root="/sys"):
-  """The PCI addresses of the TPU chips attached to this host (read from sysfs).
-
-  `sysfs_root` is where sysfs is mounted (tests pass a fake tree).
-  """
-  chips = []
-  for vendor in sorted(glob.glob(os.path.join(sysfs_root, "bus", "pci", "devices", "*", "vendor"))):
-    if _read_id(vendor) != GOOGLE_PCI_VENDOR:
-      continue
-    if _read_id(os.path.join(os.path.dirname(vendor), "device")) in TPU_PCI_DEVICE_IDS:
-      chips.append(os.path.basename(os.path.dirname(vendor)))
-  return chips
-
-
-def libtpu_found(environ=None, find_spec=importlib.util.find_spec):
-  """Whether torch_xla 2.9 would find libtpu, TPU's PJRT runtime.
-
-  As torch_xla decides it at import (`_setup_tpu_vm_library_path`): the
-  variable `TPU_LIBRARY_PATH` is set, or torch_xla ships `lib/libtpu.so`, or the
-  `libtpu` package is installed. Looked up without importing either package.
-  """
-  environ = os.environ if environ is None else environ
-  if "TPU_LIBRARY_PATH" in environ:
-    return True
-  try:
-    torch_xla_spec = find_spec("torch_xla")
-    if torch_xla_spec is not None:
-      for folder in torch_xla_spec.submodule_search_locations or ():
-        if os.path.isfile(os.path.join(folder, "lib", "libtpu.so")):
-          return True
-    return find_spec("libtpu") is not None
-  except (ImportError, ValueError):
-    return False
-
-
-def _detect_device_type(environ=None, sysfs_root="/sys", libtpu=None):
-  """TPU when TPU chips and libtpu are there, else XLA:CPU; an explicit PJRT_DEVICE wins.
-
-  torch_xla 2.9's own rule for its default device, written once here because
-  it must be known before torch_xla is imported (its import picks, and logs, a
-  default device of its own when PJRT_DEVICE is unset). `environ`,
-  `sysfs_root` and `libtpu` (default: `libtpu_found(environ)`) are for tests.
-  """
-  environ = os.environ if environ is None else environ
-  if environ.get("PJRT_DEVICE"):
-    return environ["PJRT_DEVICE"].upper()
-  chips = tpu_chips(sysfs_root)
-  if not chips:
-    return "CPU"
-  if libtpu_found(environ) if libtpu is None else libtpu:
-    return "TPU"
-  warnings.warn(
-    f"xladist: {len(chips)} TPU chip(s) are attached, but libtpu (the TPU runtime) "
-    "is not installed, so xladist runs on XLA:CPU. Install it with "
-    "`pip install 'xladist[tpu]'` (torch_xla[tpu]), or point TPU_LIBRARY_PATH "
-    "at libtpu.so; set PJRT_DEVICE=CPU to choose XLA:CPU and silence this.",
-    RuntimeWarning,
-  )
-  return "CPU"
-
-
-def initialize():
-  """Initialises torch_xla in SPMD mode once per process and returns the runtime.
-
-  Idempotent. Chooses TPU when TPU chips are attached and libtpu is installed,
-  else XLA:CPU with `CPU_NUM_DEVICES` virtual devices (default 4); `PJRT_DEVICE`
-  set by the user is respected (see `_detect_device_type`).
-
-  Raises:
-    RuntimeError: torch_xla was already used in its non-SPMD mode in this process.
-  """
-  global _state
-  if _state is not None:
-    return _state
-  with _lock:
-    if _state is not None:
-      return _state
-    device_type = _detect_device_type()
-    os.environ["PJRT_DEVICE"] = device_type
-    if device_type == "CPU":
-      os.environ.setdefault("CPU_NUM_DEVICES", str(DEFAULT_CPU_DEVICES))
-    try:
-      import torch_xla
-      import torch_xla.runtime as xr
-    except ImportError as e:
-      raise RuntimeError(
-        "xladist: the torch_xla runtime (XLADIST_BACKEND=torch_xla, the default) "
-        f"needs torch_xla, which cannot be imported here ({e}). Install the "
-        "versions xladist pins (torch==2.9.0 torch_xla==2.9.0; `make venv` builds "
-        "such an environment; on a TPU VM pip install 'xladist[tpu]')."
-      ) from e
-
-    if not xr.is_spmd() and torch_xla._XLAC._xla_get_spmd_config_is_locked():
-      raise RuntimeError(
-        "xladist runs every strategy as one SPMD program, but torch_xla was "
-        "already used in its non-SPMD mode in this process (a tensor was placed "
-        "on an XLA device, or xmp.spawn started per-device threads, before the "
-        "first xladist strategy was created). Create the xladist strategy before "
-        "touching any XLA device, or call torch_xla.runtime.use_spmd() at the "
-        "start of the program."
-      )
-    xr.use_spmd()
-    from xladist.runtime import xla_lowerings
-
-    xla_lowerings.register()
-    _restore_torch_gru()
-    _start_compile_cache(torch_xla, xr, device_type)
-    _state = _Runtime(device_type, xr.global_runtime_device_count())
-    return _state
-
-
-_CACHE_OFF = ("", "0", "off", "false", "no", "none")
-
-# Device types whose PJRT client loads a compiled program back from the cache
-# (torch_xla 2.9 runs its persistent-cache tests on these only). Its XLA:CPU
-# client writes programs to the cache but cannot read them back ("UNIMPLEMENTED:
-# Deserializing serialized executable not supported", counted as
-# PersistentCacheDeserializeFailure): there a cache costs time and disk and
-# saves nothing.
-COMPILE_CACHE_DEVICE_TYPES = ("TPU", "NEURON")
-
-
-def compile_cache_path(device_type=None, environ=None):
-  """Where compiled programs are kept between runs, or None when there is no cache.
-
-  `XLADIST_COMPILE_CACHE`: unset means `~/.cache/xladist/xla-cache` on devices
-  that can read programs back (TPU) and no cache elsewhere (XLA:CPU); a path
-  moves the cache there and turns it on whatever the device; "off" (or "0",
-  "") turns it off. torch_xla's own `XLA_PERSISTENT_CACHE_PATH`, when set,
-  wins (see `_start_compile_cache`). `device_type` defaults to this process's.
-  """
-  environ = os.environ if environ is None else environ
-  value = environ.get("XLADIST_COMPILE_CACHE")
-  if value is None:
-    if (device_type or _detect_device_type(environ)) not in COMPILE_CACHE_DEVICE_TYPES:
-      return None
-    return os.path.join(os.path.expanduser("~"), ".cache", "xladist", "xla-cache")
-  if value.strip().lower() in _CACHE_OFF:
-    return None
-  return os.path.expanduser(value)
-
-
-def _start_compile_cache(torch_xla, xr, device_type):
-  """torch_xla's persistent compilation cache, on by default where it can be read.
-
-  A program compiled once (same graph, shapes, shardings and devices) is read
-  from disk by later runs instead of compiled again. Each host keeps its own
-  (the default path is on the host's local disk).
-  """
-  if os.environ.get("XLA_PERSISTENT_CACHE_PATH") or (
-    torch_xla._XLAC._xla_computation_cache_is_initialized()
-  ):
-    return
-  path = compile_cache_path(device_type)
-  if path is None:
-    return
-  if device_type not in COMPILE_CACHE_DEVICE_TYPES:
-    warnings.warn(
-      f"XLADIST_COMPILE_CACHE={os.environ.get('XLADIST_COMPILE_CACHE')!r}: torch_xla "
-      f"2.9 on {device_type} writes compiled programs to the cache but cannot load "
-      "them back, so every run compiles again and pays for the writes. Unset "
-      "XLADIST_COMPILE_CACHE (no cache on this device) or set it to 'off'.",
-      RuntimeWarning,
-    )
-  try:
-    os.makedirs(path, exist_ok=True)
-  except OSError:
-    return  # an unwritable cache location costs compile time, nothing else
-  xr.initialize_cache(path)
-
-
-def num_devices():
-  return initialize().num_devices
-
-
-def device():
-  """The torch device all SPMD tensors live on (torch_xla's virtual device)."""
-  return initialize().device
 
 
 # The torch device type string of this runtime's tensors.
@@ -512,21 +281,10 @@ def no_execution():
     yield
   except RuntimeError as e:
     if "Unexpected execution" in str(e):
-      from xladist.runtime import host
-
       raise host.HostReadInStep(host.frame_outside(traceback.extract_tb(e.__traceback__))) from None
     raise
   finally:
     x._set_allow_execution(saved)
-
-
-# runtime/host.py, imported when used: this module's device detection runs in
-# a process that has imported neither torch nor xladist yet.
-def call_with_timeout(fn, timeout_seconds, message):
-  """runtime/host.py's bounded wait."""
-  from xladist.runtime import host
-
-  return host.call_with_timeout(fn, timeout_seconds, message)
 
 
 def sync(tensors=None, boundary=True):
@@ -624,14 +382,9 @@ def hlo_text(tensors):
 # -- what other layers used to ask torch_xla for directly -------------------------------
 
 
-def is_initialized():
-  """True once a strategy started the runtime in this process."""
-  return _state is not None
-
-
 def device_type():
   """The device type this process would use (PJRT_DEVICE, else torch_xla's rule)."""
-  return _detect_device_type()
+  return detect_device_type()
 
 
 def to_host(tensors):
@@ -673,7 +426,7 @@ def seed(running=False):
   (running=True) torch_xla's running seed, moved on by every random op traced."""
   if running:
     return _xlac()._xla_get_rng_seed()
-  if _state is None:
+  if not is_initialized():
     return None
   import torch_xla.core.xla_model as xm
 
@@ -750,32 +503,11 @@ def require(api):
 
 REPLAY_KIND = "graph"  # runtime/xla_programs.py: a step's program is cut from its outputs
 
-# Contract names defined in this runtime's other modules, bound when first read
-# (PEP 562): this module's device detection runs in a process that has imported
-# neither torch nor xladist (tests/test_runtime_detection.py).
-_ELSEWHERE = {
-  "HostReadInStep": "xladist.runtime.host",
-  "PendingInput": "xladist.runtime.xla_programs",
-  "host_work": "xladist.runtime.xla_programs",
-  "in_traced_step": "xladist.runtime.xla_programs",
-  "last_program": "xladist.runtime.xla_programs",
-  "prepare_program": "xladist.runtime.xla_programs",
-}
-
-
-def __getattr__(name):
-  where = _ELSEWHERE.get(name)
-  if where is None:
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-  return getattr(importlib.import_module(where), name)
-
 
 def buffer_ids(tensors):
   """xla_programs.buffer_ids, waiting for the executions in flight before it
   reads a handle (a buffer still being computed has none: reading one crashes
   torch_xla 2.9)."""
-  from xladist.runtime import xla_programs
-
   return xla_programs.buffer_ids(tensors, wait)
 
 
@@ -789,8 +521,6 @@ def run_program(program, consts, inputs, donate=()):
   the process ("Expected 4 threads to join the rendezvous, but only 3 of them
   arrived"). The caller's host work before this call overlapped the previous
   program."""
-  from xladist.runtime import xla_programs
-
   wait()
   return xla_programs.run_program(program, consts, inputs, donate, initialize().device_name)
 
@@ -814,46 +544,5 @@ def foreign_idioms(handlers):
 def traced_step(body):
   """Runs a step's phases: torch_xla records them lazily; the program is cut
   and run at the next sync."""
-  with _torch_gru():
+  with torch_gru():
     return body()
-
-
-def _restore_torch_gru():
-  """Gives `torch.nn.GRU` back to torch.
-
-  Importing torch_xla 2.9 replaces `torch.nn.GRU` with its scan-based subclass,
-  whose forward runs torch_xla's scan whatever the device: a GRU made after the
-  first strategy and run on the CPU (a reference model, an evaluation on the
-  host) failed ("Expected all tensors in the given list to be XLA tensors"). A
-  GRU made before, while torch_xla's class was in place, still works inside
-  steps (`_torch_gru`).
-  """
-  import torch
-
-  original = getattr(torch.nn.GRU, "_orig", None)
-  if original is not None:
-    torch.nn.GRU = original
-
-
-@contextlib.contextmanager
-def _torch_gru():
-  """torch's own GRU forward while a step is traced.
-
-  Importing torch_xla 2.9 replaces `torch.nn.GRU` with a scan-based subclass
-  (`torch_xla.experimental.gru.GRU`). Its scan traces the cell ahead of time
-  with fake tensors and AOT autograd, which reads values on the host inside a
-  step's manual region; torch's forward computes the same values (the time
-  loop unrolled into the step's program).
-  """
-  from torch.nn.modules import rnn
-  from torch_xla.experimental import gru
-
-  scan_forward = gru.GRU.__dict__.get("forward")
-  gru.GRU.forward = rnn.GRU.forward
-  try:
-    yield
-  finally:
-    if scan_forward is None:
-      del gru.GRU.forward
-    else:
-      gru.GRU.forward = scan_forward

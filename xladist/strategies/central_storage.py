@@ -33,15 +33,10 @@ from xladist._nest import flatten
 from xladist._step.engine import StepEngine
 from xladist.communication_options import CommunicationOptions
 from xladist.extended import _variable_tensor
+from xladist.replica_copies import ReplicaCopies, aggregate_host, copies_of, spread
 from xladist.strategies.mirrored import SPMDExtended, _check_devices
 from xladist.strategy import Strategy
-from xladist.variable_store import (
-  ReplicaCopies,
-  VariableStore,
-  aggregate_host,
-  copies_of,
-  spread,
-)
+from xladist.variable_store import VariableStore
 
 VA = policies.VariableAggregation
 _HOST = "_xladist_host_replicas"  # a sync-on-read variable's components on the host

@@ -10,9 +10,10 @@ from xladist.communication_options import CommunicationOptions
 from xladist.cross_device_ops import check_cross_device_ops
 from xladist.extended import StrategyExtended
 from xladist.reduce_util import ReduceOp
+from xladist.replica_copies import copies_of
 from xladist.strategy import Strategy
 from xladist.values import PerReplica, reduce_by_form
-from xladist.variable_store import VariableStore, copies_of
+from xladist.variable_store import VariableStore
 
 
 class SPMDExtended(StrategyExtended):

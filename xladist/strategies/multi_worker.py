@@ -25,10 +25,10 @@ from xladist.communication_options import CommunicationOptions
 from xladist.input import dataset as input_dataset
 from xladist.input import sharding
 from xladist.input.options import InputReplicationMode
+from xladist.replica_copies import copies_of
 from xladist.strategies.mirrored import SPMDExtended
 from xladist.strategy import Strategy
 from xladist.values import DistributedValues, PerReplica
-from xladist.variable_store import copies_of
 
 _API = "MultiWorkerMirroredStrategy"
 
