@@ -226,7 +226,7 @@ def test_one_loop_replays_from_step_4(scheduler, name):
   # at that capture).
   # On jax ASGD's `mu` (1/2, 1/3, ... after t0) meets the program's own literals (which
   # the jax runtime lifts as scalars too): a capture where they meet agrees with one
-  # where they do not (`replay_program._settle_coincidences`; before, the bound on jax
+  # where they do not (`replay_program.settle_coincidences`; before, the bound on jax
   # was 14).
   bound = 7 if name in ("radam-decoupled", "asgd") else 6
   assert counts["traced"] <= bound, (name, scheduler, counts, "XLADIST_REPLAY_DEBUG=1 says why")
@@ -255,7 +255,7 @@ class _FirstBeta:
 def test_a_constant_equal_to_a_hyperparameter_at_one_capture_is_not_taken_for_it():
   """The first capture (step 2) matches the program's constant 0.25 to `1 - beta1`
   (equal values); the second (step 3, beta1 0.8) takes it for the constant it is.
-  The two captures agree (`replay_program._settle_coincidences`: a scalar with the
+  The two captures agree (`replay_program.settle_coincidences`: a scalar with the
   same value at both captures, a hyperparameter at one only, is a constant), so the
   step replays from step 4, equal to plain PyTorch. Before, on jax (whose program
   takes every float literal as a scalar input) the captures differed and a third one

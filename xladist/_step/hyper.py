@@ -76,6 +76,12 @@ def _number(x):
   return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def _operand_number(x):
+  """Whether a Hyper's arithmetic or comparison takes `x` as a number (a bool
+  too, as the float it stands for would: `lr * True`)."""
+  return isinstance(x, (int, float))
+
+
 _BINARY = {
   "add": (operator.add, "+"),
   "sub": (operator.sub, "-"),
@@ -88,12 +94,12 @@ _UNARY = {"neg": operator.neg, "pos": operator.pos, "abs": operator.abs}
 
 def _binary(name, fn):
   def op(self, other):
-    if not _number(other):
+    if not _operand_number(other):
       return NotImplemented
     return Hyper(fn(float(self), float(other)), (name, self.expr, _operand(other)))
 
   def rop(self, other):
-    if not _number(other):
+    if not _operand_number(other):
       return NotImplemented
     return Hyper(fn(float(other), float(self)), (name, _operand(other), self.expr))
 
@@ -155,7 +161,7 @@ def _guard(expr, result):
 
 def _comparison(name, fn):
   def op(self, other):
-    if not _number(other):
+    if not _operand_number(other):
       return NotImplemented
     return _guard((name, self.expr, _operand(other)), fn(float(self), float(other)))
 

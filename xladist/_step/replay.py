@@ -44,24 +44,24 @@ from xladist._nest import flatten
 from xladist._step import hyper, python_effects, seeds
 from xladist._step import signature as signatures
 from xladist._step.replay_capture import (
-  _Attempt,
+  Attempt,
 )
 from xladist._step.replay_program import (
   ARG,
-  _advance,
-  _arg_entry,
-  _debug,
-  _Entry,
-  _inputs,
-  _Traced,
-  _weak,
-  _write_back,
+  KeyEntry,
+  Traced,
+  advance_host_scalars,
+  arg_entry,
+  debug,
   logger,
+  program_inputs,
+  weak,
+  write_back,
 )
 from xladist._step.replay_slots import (
-  _arg_refs,
-  _fn_refs,
-  _store_refs,
+  arg_refs,
+  fn_refs,
+  store_refs,
 )
 
 DEFAULT_VERIFY_EVERY = 100
@@ -160,9 +160,9 @@ class Replayer:
     reads = self._reads.get(code)
     key = (
       signatures.replay_entries(sig),
-      _fn_refs(fn),
-      _arg_refs(leaves),
-      _store_refs(store),
+      fn_refs(fn),
+      arg_refs(leaves),
+      store_refs(store),
       torch.is_grad_enabled(),
       self._extended.experimental_gradient_aggregation,
       reads.key() if reads is not None else (),
@@ -170,7 +170,7 @@ class Replayer:
     entry = self._entries.get(key)
     if entry is None:
       why = self._why_new(fn, sig, key)
-      entry = self._entries[key] = _Entry()
+      entry = self._entries[key] = KeyEntry()
       if len(self._entries) > _MAX_KEYS:
         self._entries.popitem(last=False)
       fresh = self._fresh[code] = self._fresh.get(code, 0) + 1
@@ -201,10 +201,10 @@ class Replayer:
           fn, entry, leaves, spec, "verification trace", seed, verify=(strict, every)
         )
       out = self._replay(entry, leaves, seed)
-      if not isinstance(out, _Traced):
+      if not isinstance(out, Traced):
         entry.since_verify += 1
         entry.guard_failures = 0
-        self.last_replayed = (entry, _weak(fn), spec, [_arg_entry(x) for x in leaves])
+        self.last_replayed = (entry, weak(fn), spec, [arg_entry(x) for x in leaves])
         return out, None
       why = out.why
       if out.guard:
@@ -242,7 +242,7 @@ class Replayer:
       return None
     for args in args_list:
       leaves, new_spec = flatten((tuple(args), {}))
-      if new_spec != spec or [_arg_entry(x) for x in leaves] != entries:
+      if new_spec != spec or [arg_entry(x) for x in leaves] != entries:
         return None
     return self._group_steps(entry, fn, args_list)
 
@@ -256,7 +256,7 @@ class Replayer:
     k = len(args_list)
     group = entry.groups.get(k)
     if group is None:
-      group = entry.groups[k] = _Entry()
+      group = entry.groups[k] = KeyEntry()
     if group.refused is not None:
       return None
     args_list = [tuple(args) for args in args_list]
@@ -264,7 +264,7 @@ class Replayer:
     seed = seeds.STEP_SEEDS.start_step()
     if group.promoted:
       out = self._replay(group, leaves, seed, steps=k)
-      if not isinstance(out, _Traced):
+      if not isinstance(out, Traced):
         self.steps += k
         entry.since_verify += k
         prog = group.program
@@ -277,7 +277,7 @@ class Replayer:
     else:
       why = f"second trace of {k} steps as one program: captured and compared with the first"
     self._note(why)
-    attempt = _Attempt(self, fn, group, leaves, spec, None, seed)
+    attempt = Attempt(self, fn, group, leaves, spec, None, seed)
     attempt.group = True
     if attempt.args is not None:
       args_list = attempt.args
@@ -412,12 +412,12 @@ class Replayer:
   def _note(self, why):
     self.traces += 1
     self.reasons.append((self.steps, why))
-    if _debug():
+    if debug():
       logger.warning("xladist replay: step %d traced: %s", self.steps, why)
 
   def _plain(self, why, seed):
     self._note(why)
-    return _Attempt(self, None, None, None, None, None, seed)
+    return Attempt(self, None, None, None, None, None, seed)
 
   def _capture(self, fn, entry, leaves, spec, why, seed, verify=None):
     if _runtime.in_traced_step():
@@ -426,16 +426,16 @@ class Replayer:
       # into the enclosing program.
       return self._plain(f"{why}; inside steps traced as one program: not captured", seed)
     self._note(why)
-    return _Attempt(self, fn, entry, leaves, spec, verify, seed)
+    return Attempt(self, fn, entry, leaves, spec, verify, seed)
 
   # -- replaying ---------------------------------------------------------------------------------
   def _replay(self, entry, leaves, seed, steps=1):
     """Runs the entry's program on the current inputs (one step, or a group's
-    `steps`) and writes its results back; a `_Traced` when it may not."""
+    `steps`) and writes its results back; a `Traced` when it may not."""
     prog = entry.program
     n = self._n
-    inputs = _inputs(prog, leaves, n, seed)
-    if isinstance(inputs, _Traced):
+    inputs = program_inputs(prog, leaves, n, seed)
+    if isinstance(inputs, Traced):
       return inputs
     program, consts = prog.runtime_program
     try:
@@ -446,15 +446,15 @@ class Replayer:
       # step is traced), or an argument computed lazily (computed first).
       pending = [b is None for b in _runtime.buffer_ids(inputs)]
       if any(p for p, s in zip(pending, prog.sources) if s[0] != ARG):
-        return _Traced(
+        return Traced(
           "a variable was written outside a step and not synced (the trace fuses the write)"
         )
       _runtime.sync([t for t, p in zip(inputs, pending) if p])
       results = _runtime.run_program(program, consts, inputs, donate=prog.donate)
     self.replays += steps
     seeds.STEP_SEEDS.after_replay(seed, prog.draws)
-    _advance(prog)
-    return _write_back(prog, results, n)
+    advance_host_scalars(prog)
+    return write_back(prog, results, n)
 
 
 def _code_id(fn):

@@ -1,4 +1,4 @@
-"""Capturing a traced step (replay.py): `_Attempt` lists the step's slots and
+"""Capturing a traced step (replay.py): `Attempt` lists the step's slots and
 arguments with their buffer ids before the trace, and after it finds the
 step's program (`runtime.last_program`), maps each input to a slot, an
 argument, the seed, a hyperparameter or a constant and each result to a
@@ -15,41 +15,41 @@ from xladist import runtime as _runtime
 from xladist._nest import flatten, unflatten
 from xladist._step import hyper, hyper_inputs, seeds
 from xladist._step.replay_program import (
-  _DONATED_KINDS,
-  _PLAIN,
   ARG,
   CONST,
+  DONATED_KINDS,
   DROP,
   HYPER,
+  PLAIN,
   RET,
   SEED,
   SLOT,
-  _arg_entry,
-  _arg_global,
-  _debug,
-  _differs,
-  _donated,
-  _nbytes,
-  _NotCapturable,
-  _Program,
-  _settle_coincidences,
-  _signed,
-  _weak,
-  _write_back,
+  CapturedProgram,
+  NotCapturable,
+  arg_entry,
+  arg_global,
+  debug,
+  differs,
   donate_min_bytes,
+  donated,
   logger,
+  nbytes,
+  settle_coincidences,
+  signed,
+  weak,
+  write_back,
 )
 from xladist._step.replay_slots import (
   GRAD,
-  _free_slots,
-  _host_change,
-  _host_state,
-  _slots,
+  free_slots,
+  host_change,
+  host_state,
+  state_slots,
 )
 from xladist.values import _NOT_CONSTANT, Mirrored, PerReplica
 
 
-class _Attempt:
+class Attempt:
   """A traced step: plain (seed bookkeeping only) or captured (compiled and run
   when `run` returns; left lazy when it cannot be)."""
 
@@ -76,7 +76,7 @@ class _Attempt:
     rep = self._replayer
     store = rep._store
     self._step = (fn, spec, leaves)
-    slots = _slots(store) + _free_slots(fn)
+    slots = state_slots(store) + free_slots(fn)
     values = [s.get() for s in slots]
     globals_ = []
     new_leaves = list(leaves)
@@ -86,8 +86,8 @@ class _Attempt:
           globals_.append(None)
           continue
         try:
-          g = _arg_global(leaf, rep._n)
-        except _NotCapturable as e:
+          g = arg_global(leaf, rep._n)
+        except NotCapturable as e:
           return self._record(f"not captured: {e}")
         if not isinstance(leaf, PerReplica) and g is not (
           leaf.primary if isinstance(leaf, Mirrored) else leaf
@@ -125,7 +125,7 @@ class _Attempt:
     self._ambiguous = ambiguous
     self._held = (values, globals_)  # keeps the buffers (and so their ids) alive
     self._uids = [_runtime.value_id(v) for v in values]
-    self._host = _host_state(store)
+    self._host = host_state(store)
     self._groups = hyper_inputs.group_values(list(store.optimizers()))
     self._ready = True
 
@@ -153,7 +153,7 @@ class _Attempt:
       return result
     try:
       prog, values = self._program(result, seed1)
-    except _NotCapturable as e:
+    except NotCapturable as e:
       # Left lazy, as without replay: the next `strategy.run` (or a read) runs it.
       self._refused(str(e), e.permanent)
       return result
@@ -165,14 +165,14 @@ class _Attempt:
     if _runtime.REPLAY_KIND != "program":
       # Run the captured step itself: its inputs are the traced graph's device data.
       results = _runtime.run_program(*prog.runtime_program, values, donate=prog.donate)
-      result = _write_back(prog, results, rep._n)
+      result = write_back(prog, results, rep._n)
     rep.captures += 1
     self._offer(prog)
     if self._entry.promoted and not self.group:
       # Confirmed (a verification trace, a second capture): the steps after it
       # in experimental_run_steps may run as its group, as after a replayed step.
       fn, spec, leaves = self._step
-      rep.last_replayed = (self._entry, _weak(fn), spec, [_arg_entry(x) for x in leaves])
+      rep.last_replayed = (self._entry, weak(fn), spec, [arg_entry(x) for x in leaves])
     return result
 
   def _cut(self):
@@ -193,7 +193,7 @@ class _Attempt:
   def _record(self, what):
     rep = self._replayer
     rep.reasons.append((rep.steps, what))
-    if _debug():
+    if debug():
       logger.warning("xladist replay: step %d %s", rep.steps, what)
 
   def _offer(self, prog):
@@ -203,9 +203,9 @@ class _Attempt:
     if old is None:
       entry.promoted = False
       return
-    what = _differs(old, prog)
-    if what is not None and _settle_coincidences(old, prog):
-      what = _differs(old, prog)
+    what = differs(old, prog)
+    if what is not None and settle_coincidences(old, prog):
+      what = differs(old, prog)
     if what is None:
       hyper_inputs.agree(old.hypers, prog.hypers)
       entry.promoted = True
@@ -246,7 +246,7 @@ class _Attempt:
     if wrote is not None:
       # Left lazy, as without replay; the key's next steps are traced too.
       self._replayer.writes += 1
-      raise _NotCapturable(f"{wrote} (a replay would skip it): traced at every call")
+      raise NotCapturable(f"{wrote} (a replay would skip it): traced at every call")
     ret_spec, returned = _returned(result)
     outs, ret_leaves = [], []
     for j, kind, value in returned:
@@ -266,7 +266,7 @@ class _Attempt:
       j = index.get(_runtime.value_id(t))
       if j is None:
         if target[0] == RET:
-          raise _NotCapturable("a returned tensor is not computed by the step")
+          raise NotCapturable("a returned tensor is not computed by the step")
         outside.append(t)  # a slot the step gave a value from outside: it keeps it at a replay
         continue
       if targets[j][0] == DROP:
@@ -274,30 +274,30 @@ class _Attempt:
       else:
         aliases.append((target, j))
     if all(t[0] == DROP for t in targets):
-      raise _NotCapturable("the step computes nothing")
+      raise NotCapturable("the step computes nothing")
     if any(self._by_handle.get(h, (None,))[0] == ARG for h in _runtime.buffer_ids(outside)):
-      raise _NotCapturable("a state slot was given an argument of the step (a replay would not)")
+      raise NotCapturable("a state slot was given an argument of the step (a replay would not)")
     # The program's inputs: device buffers (slots, arguments; one nothing names is
     # fed as it is), the seed, and scalars (host or device tensors: hyperparameters
     # or constants, compared between captures).
     sources, scalars, taken = [], [], []
     for j, (handle, v) in enumerate(zip(_runtime.buffer_ids(inputs), inputs)):
       if j in program.seed_inputs:
-        if int(v.cpu()) != _signed(self._seed0):
-          raise _NotCapturable("the step's random-number seed is not the one it started from")
+        if int(v.cpu()) != signed(self._seed0):
+          raise NotCapturable("the step's random-number seed is not the one it started from")
         sources.append((SEED,))
         continue
       sources.append(_source(self, handle, v, scalars if isinstance(v, torch.Tensor) else taken))
     hypers = _hyper_sources(self, sources, scalars)
     draws = 0
     if sum(1 for s in sources if s[0] == SEED) > 1:
-      raise _NotCapturable("the program has several random-number seeds")
+      raise NotCapturable("the program has several random-number seeds")
     if any(s[0] == SEED for s in sources):
       draws = seeds.draws_between(self._seed0, seed1)
       if not draws:
-        raise _NotCapturable("the step's random-number seed use could not be followed")
+        raise NotCapturable("the step's random-number seed use could not be followed")
     arrays = [] if consts is None else [(id(a), a) for a in consts[0]]
-    prog = _Program(
+    prog = CapturedProgram(
       program.key,
       slots,
       sources,
@@ -311,7 +311,7 @@ class _Attempt:
       draws=draws,
       hypers=hypers,
     )
-    prog.donate = _donated(prog, self._shared, self._donate_floor)
+    prog.donate = donated(prog, self._shared, self._donate_floor)
     _host_decisions(prog, self, counters)
     return prog, inputs
 
@@ -325,7 +325,7 @@ def _shared_slots(slots, values, min_bytes):
   program will give up nothing (the slots it could are under `min_bytes`)."""
   if _runtime.REPLAY_KIND != "graph":
     return ()
-  size = sum(_nbytes(v) for s, v in zip(slots, values) if s.kind in _DONATED_KINDS)
+  size = sum(nbytes(v) for s, v in zip(slots, values) if s.kind in DONATED_KINDS)
   if not size or size < min_bytes:
     return None
   _runtime.sync(boundary=False)
@@ -378,25 +378,25 @@ def _hyper_sources(attempt, sources, consts):
 
 def _new_state_slots(attempt):
   """(the attempt's slots, with the gradients the step made; their value ids
-  before the step; the host scalars the step updated, `_host_change`). Refuses
+  before the step; the host scalars the step updated, `host_change`). Refuses
   other new state, and a step that changed optimizer state outside the device."""
   store = attempt._replayer._store
   known = {s.ident() for s in attempt._slots}
   slots, uids = list(attempt._slots), list(attempt._uids)
-  for s in _slots(store):
+  for s in state_slots(store):
     if s.ident() not in known:
       if s.kind != GRAD:  # a gradient made by the step is an output like any other
-        raise _NotCapturable("the step created state (optimizer state or variables)")
+        raise NotCapturable("the step created state (optimizer state or variables)")
       slots.append(s)
       uids.append(None)
   updates = attempt.hypers.updates() if attempt.hypers is not None else {}
-  host, counters = _host_change(store, attempt._host, _host_state(store), updates)
+  host, counters = host_change(store, attempt._host, host_state(store), updates)
   if host is None:
     optimizers = list(store.optimizers())
     after = hyper_inputs.group_values(optimizers)
     host = hyper_inputs.group_change(optimizers, attempt._groups, after)
   if host is not None:
-    raise _NotCapturable(host, permanent=True)
+    raise NotCapturable(host, permanent=True)
   return slots, uids, counters
 
 
@@ -404,7 +404,7 @@ def _source(attempt, handle, value, consts):
   """Where a program input comes from: a slot or an argument (recognised by its
   device buffer's `handle`), else a constant (recorded in `consts`)."""
   if handle in attempt._ambiguous:
-    raise _NotCapturable("an argument shares its device buffer with a variable or another argument")
+    raise NotCapturable("an argument shares its device buffer with a variable or another argument")
   source = attempt._by_handle.get(handle)
   if source is not None:
     return source
@@ -417,7 +417,7 @@ def _returned(result):
   PerReplica's stacked tensor, the tensor or the Python value), with the nest's spec.
 
   Raises:
-    _NotCapturable: a leaf that is neither a device tensor nor a plain value.
+    NotCapturable: a leaf that is neither a device tensor nor a plain value.
   """
   leaves, spec = flatten(result)
   out = []
@@ -428,10 +428,10 @@ def _returned(result):
       out.append((j, "tensor", leaf))
     elif isinstance(leaf, hyper.Hyper):
       out.append((j, "hyper", leaf.expr))
-    elif isinstance(leaf, _PLAIN):
+    elif isinstance(leaf, PLAIN):
       out.append((j, "py", leaf))
     else:
-      raise _NotCapturable(
+      raise NotCapturable(
         f"fn returns a {type(leaf).__name__} (a host value or an object made by "
         "the step: only device tensors and plain Python values are replayed)",
         permanent=True,
@@ -449,7 +449,7 @@ def _written_slots(slots, uids):
       if s.kind == GRAD:
         cleared.append(i)
         continue
-      raise _NotCapturable("a state slot lost its value")
+      raise NotCapturable("a state slot lost its value")
     if _runtime.value_id(value) != uids[i]:
       written.append((i, value))
   return cleared, written

@@ -3,9 +3,9 @@ it is fed its inputs at a replay and how its results are written back.
 
 A program's inputs are each a *source*: a slot (replay_slots.py), an argument,
 the random-number seed, an optimizer hyperparameter (hyper.py) or a constant;
-its results each a *target*: a returned leaf or a slot. `_Program` holds the
-mapping and the runtime's program (`runtime.last_program`); `_inputs` builds
-the inputs of one replay from the current slots and arguments, `_write_back`
+its results each a *target*: a returned leaf or a slot. `CapturedProgram` holds the
+mapping and the runtime's program (`runtime.last_program`); `program_inputs` builds
+the inputs of one replay from the current slots and arguments, `write_back`
 puts the results where the traced step would have left them (a group of
 `experimental_run_steps`' steps is a program like a step's: replay.py).
 """
@@ -23,10 +23,10 @@ from xladist import runtime as _runtime
 from xladist._nest import unflatten
 from xladist._step import hyper, hyper_inputs
 from xladist._step.replay_slots import (
-  _PLAIN,
   COPIES,
   GRAD,
   OPT,
+  PLAIN,
   VAR,
 )
 from xladist.replica_copies import copies_of
@@ -35,20 +35,20 @@ from xladist.values import Mirrored, PerReplica
 logger = logging.getLogger("xladist")
 
 
-def _debug():
+def debug():
   return _settings.switch("XLADIST_REPLAY_DEBUG", False)
 
 
 # -- torch_xla's random-number seed -------------------------------------------------------
 
 
-def _signed(seed):
+def signed(seed):
   return seed - (1 << 64) if seed >= (1 << 63) else seed
 
 
 def _seed_tensor(seed):
   """The seed as the int64 device scalar a traced graph's seed parameter holds."""
-  return _runtime.place_replicated(torch.tensor(_signed(seed), dtype=torch.int64))
+  return _runtime.place_replicated(torch.tensor(signed(seed), dtype=torch.int64))
 
 
 # -- captured programs ------------------------------------------------------------------------
@@ -60,8 +60,8 @@ HYPER = 6  # an optimizer hyperparameter (or arithmetic on some): `prog.hypers[i
 
 
 @dataclasses.dataclass(slots=True, eq=False)
-class _Program:
-  """One captured step program (what `_Attempt._program` records) and how to
+class CapturedProgram:
+  """One captured step program (what `Attempt._program` records) and how to
   feed it and place its outputs."""
 
   hash: object  # the runtime's program key (its graph hash or text)
@@ -80,7 +80,7 @@ class _Program:
   groups: dict = dataclasses.field(default_factory=dict)  # id -> the groups and states they read
   counters: tuple = ()  # the host scalars the step updates: (state, key, expression)
   guards: tuple = ()  # (expression, value): the host decisions of the trace (hyper.py)
-  donate: tuple = ()  # positions of the inputs a run gives up (`_donated`)
+  donate: tuple = ()  # positions of the inputs a run gives up (`donated`)
   host_reads: bool = False  # whether its guards or hyperparameters read host tensors
   restamp: list = dataclasses.field(init=False)  # the sync-on-read variables it writes
 
@@ -125,7 +125,7 @@ def _host(value):
   return np.asarray(value)
 
 
-def _differs(old, new):
+def differs(old, new):
   """Words naming how two captures of one key differ, or None when they are the same."""
   fa, fb = old.fingerprint(), new.fingerprint()
   if fa[0] != fb[0]:
@@ -142,7 +142,7 @@ def _differs(old, new):
   return None
 
 
-def _settle_coincidences(old, new):
+def settle_coincidences(old, new):
   """Where one capture took a program scalar for a hyperparameter and the other for
   a constant, and the scalar had the same value at both, the match was a coincidence
   of values at one capture (a constant of the model, 1/6, equal to a cycling
@@ -192,19 +192,19 @@ def _to_constants(prog, positions):
 
 
 @dataclasses.dataclass(slots=True, eq=False)
-class _Entry:
+class KeyEntry:
   """A key's program and its state of promotion."""
 
-  program: _Program = None
+  program: CapturedProgram = None
   promoted: bool = False
   since_verify: int = 0
   refused: str = None  # why this key is never replayed, or None
   failures: int = 0  # captures refused so far (twice: never again)
-  groups: dict = dataclasses.field(default_factory=dict)  # k -> _Entry of k steps as one program
+  groups: dict = dataclasses.field(default_factory=dict)  # k -> KeyEntry of k steps as one program
   guard_failures: int = 0  # replays refused by a guard in a row
 
 
-def _advance(prog):
+def advance_host_scalars(prog):
   """Sets the host scalars of the optimizers' state (step counters, NAdam's
   `mu_product`) to what the replayed step computes from their values before it
   (hyper.py): every new value first, then every write."""
@@ -217,14 +217,14 @@ def _advance(prog):
 
 
 def _guards_fail(prog):
-  """A `_Traced` when a host decision of the trace would come out otherwise now."""
+  """A `Traced` when a host decision of the trace would come out otherwise now."""
   if not prog.guards:
     return None
   why = hyper.guards_fail(prog.guards, prog.groups)
-  return None if why is None else _Traced(why, guard=True)
+  return None if why is None else Traced(why, guard=True)
 
 
-def _weak(fn):
+def weak(fn):
   """A weak reference to `fn` (a callable that returns it), strong only for a
   callable that takes no weak references (a builtin)."""
   try:
@@ -233,21 +233,21 @@ def _weak(fn):
     return lambda: fn
 
 
-def _arg_entry(leaf):
+def arg_entry(leaf):
   """What `replay_steps` compares of an argument: a tensor's (or a
   PerReplica's) shape, dtype and placement, a Python value itself, else the type."""
   if isinstance(leaf, PerReplica) and leaf._stacked is not None:
     leaf = leaf._stacked
   if isinstance(leaf, torch.Tensor):
     return (tuple(leaf.shape), leaf.dtype, _runtime.sharding_spec(leaf))
-  if isinstance(leaf, _PLAIN):
+  if isinstance(leaf, PLAIN):
     return ("value", leaf)
   return ("object", type(leaf))
 
 
-def _inputs(prog, leaves, n, seed):
+def program_inputs(prog, leaves, n, seed):
   """A replay's inputs, in the program's order (slots' current values, the
-  arguments' global tensors, constants, the seed), or a `_Traced` saying why
+  arguments' global tensors, constants, the seed), or a `Traced` saying why
   the step must be traced."""
   with _runtime.host_work() if prog.host_reads else contextlib.nullcontext():
     failed = _guards_fail(prog)  # (host scalars only: the guards, the hyperparameters)
@@ -262,18 +262,18 @@ def _inputs(prog, leaves, n, seed):
     if kind == SLOT:
       value = slots[source[1]].get()
       if value is None:
-        return _Traced("a state slot has no value, or a tensor fn reads by name was replaced")
+        return Traced("a state slot has no value, or a tensor fn reads by name was replaced")
     elif kind == ARG:
       try:
-        value = _arg_global(leaves[source[1]], n)
-      except _NotCapturable as e:
-        return _Traced(str(e))
+        value = arg_global(leaves[source[1]], n)
+      except NotCapturable as e:
+        return Traced(str(e))
     elif kind == CONST:
       value = source[1]
     elif kind == HYPER:
       h = prog.hypers[source[1]]
       value = hypers[source[1]]
-      if isinstance(value, _Traced):
+      if isinstance(value, Traced):
         return value
       if h.placed is None or h.placed[0] != value:
         h.placed = (value, _runtime.scalar_input(value, h.dtype))
@@ -285,30 +285,30 @@ def _inputs(prog, leaves, n, seed):
 
 
 def _hyper_value(prog, h, memo=None):
-  """A hyperparameter input's value now, or a `_Traced` saying why the step is
+  """A hyperparameter input's value now, or a `Traced` saying why the step is
   traced instead (see hyper.py: a match not yet confirmed by two captures is
   confirmed by a trace when its value first changes)."""
   value = h.current(prog.groups, memo)
   if value is None:
-    return _Traced("hyperparameters that were equal when the step was captured differ now")
+    return Traced("hyperparameters that were equal when the step was captured differ now")
   if value != h.value and not h.proven:
-    return _Traced(
+    return Traced(
       f"optimizer hyperparameter {h.names()} changed for the first time since the step "
       "was captured (traced once to confirm that it is an input of the program)"
     )
   return value
 
 
-def _arg_global(leaf, n):
+def arg_global(leaf, n):
   """The global tensor an argument enters the step from (what a trace reads).
 
   Raises:
-    _NotCapturable: an argument the trace refuses (a PerReplica made inside
+    NotCapturable: an argument the trace refuses (a PerReplica made inside
       merge_call, or for another replica count): the trace says why.
   """
   if isinstance(leaf, PerReplica):
     if leaf._local is not None or leaf.num_replicas != n:
-      raise _NotCapturable("an argument is refused by the trace")
+      raise NotCapturable("an argument is refused by the trace")
     return leaf._stacked_global(n)
   if isinstance(leaf, Mirrored):
     leaf = leaf.primary
@@ -317,7 +317,7 @@ def _arg_global(leaf, n):
   return _runtime.ensure_sharded(leaf)
 
 
-def _write_back(prog, results, n):
+def write_back(prog, results, n):
   """Puts a run's outputs where the traced step would have left them."""
   slots = prog.slots
   rets = [None] * len(prog.ret_leaves)
@@ -353,7 +353,7 @@ def _python_leaf(prog, kind):
   return kind[1]
 
 
-_DONATED_KINDS = (VAR, GRAD, OPT)
+DONATED_KINDS = (VAR, GRAD, OPT)
 DONATE_MIN_BYTES = 16 << 20
 
 
@@ -369,11 +369,11 @@ def donate_min_bytes():
   return n
 
 
-def _nbytes(tensor):
+def nbytes(tensor):
   return tensor.numel() * tensor.element_size()
 
 
-def _donated(prog, shared, min_bytes):
+def donated(prog, shared, min_bytes):
   """The positions of the program's inputs whose buffers a run may give up
   (donate) to its results: a variable, gradient or optimizer state the program
   overwrites, from a result of its own (one that nothing returns and no other
@@ -395,16 +395,16 @@ def _donated(prog, shared, min_bytes):
     if source[0] != SLOT or source[1] in shared:
       continue
     slot = prog.slots[source[1]]
-    if slot.kind not in _DONATED_KINDS:
+    if slot.kind not in DONATED_KINDS:
       continue
     j = result_of.get(source[1])
     if j is not None and takers[j] == 1:
       out.append(position)
-      size += _nbytes(slot.get(settle=False))
+      size += nbytes(slot.get(settle=False))
   return tuple(out) if size >= min_bytes else ()
 
 
-class _Traced:
+class Traced:
   """`Replayer._replay`: the step could not be replayed and is traced, because..."""
 
   __slots__ = ("why", "guard")
@@ -414,7 +414,7 @@ class _Traced:
     self.guard = guard  # a guard of the trace failed (hyper.py)
 
 
-class _NotCapturable(Exception):
+class NotCapturable(Exception):
   def __init__(self, why, permanent=False):
     super().__init__(why)
     self.permanent = permanent

@@ -17,7 +17,7 @@ from xladist import runtime as _runtime
 from xladist.replica_copies import copies_of
 from xladist.values import DistributedValues
 
-_PLAIN = (bool, int, float, str, bytes, type(None))
+PLAIN = (bool, int, float, str, bytes, type(None))
 
 
 # -- slots: where a step's state lives between steps ----------------------------------------
@@ -75,7 +75,7 @@ class _Slot:
       self.owner[self.key] = value
 
 
-def _slots(store):
+def state_slots(store):
   """Every slot of `store`'s variables and tracked optimizers, in a stable order."""
   out = []
   seen = set()
@@ -105,7 +105,7 @@ def _is_xla_tensor(value):
   return isinstance(value, torch.Tensor) and _runtime.is_device_tensor(value)
 
 
-def _free_slots(fn):
+def free_slots(fn):
   """FREE slots: the XLA tensors `fn` reads by name (see `_Slot`)."""
   out = []
   bound = getattr(fn, "__self__", None)
@@ -133,7 +133,7 @@ def _free_slots(fn):
   return out
 
 
-def _host_state(store):
+def host_state(store):
   """What a step could change in optimizers outside the XLA device: host tensors
   (by identity and version) and Python values in their state."""
   out = []
@@ -144,14 +144,14 @@ def _host_state(store):
           if not _runtime.is_device_tensor(v):
             value = float(v) if v.dim() == 0 and v.is_floating_point() else None
             out.append(((i, p_index, key), (id(v), v._version, value)))
-        elif isinstance(v, _PLAIN):
+        elif isinstance(v, PLAIN):
           out.append(((i, p_index, key), v))
         else:
           out.append(((i, p_index, key), id(v)))
   return out
 
 
-def _host_change(store, before, after, updates):
+def host_change(store, before, after, updates):
   """(words naming the first host-side optimizer state a step changed in a way a
   replay cannot repeat, or None; the host scalars it updated: [(state dict, key,
   expression of the new value)]).
@@ -193,14 +193,14 @@ _MISSING = object()
 
 
 def _ref(value, depth=0):
-  if isinstance(value, _PLAIN):
+  if isinstance(value, PLAIN):
     return value
   if depth < 2 and type(value) is tuple:
     return tuple(_ref(v, depth + 1) for v in value)
   return ("id", id(value))
 
 
-def _fn_refs(fn):
+def fn_refs(fn):
   """What `fn` starts from that its trace's guards do not see: its code, its
   bound object and its default arguments (its frame's own locals). Its closure
   cells and globals are guarded from the trace (python_effects.py)."""
@@ -220,7 +220,7 @@ def _fn_refs(fn):
   return tuple(out)
 
 
-def _store_refs(store):
+def store_refs(store):
   """Identities of the variables and optimizers (a new Parameter object after
   `load_state_dict(assign=True)`, a replaced optimizer state after
   `optimizer.load_state_dict`, new parameter groups)."""
@@ -237,7 +237,7 @@ def _store_refs(store):
   return variables, tuple(optimizers)
 
 
-def _arg_refs(leaves):
+def arg_refs(leaves):
   return tuple(
-    id(x) for x in leaves if not isinstance(x, (torch.Tensor, DistributedValues) + _PLAIN)
+    id(x) for x in leaves if not isinstance(x, (torch.Tensor, DistributedValues) + PLAIN)
   )
