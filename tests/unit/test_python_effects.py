@@ -240,3 +240,49 @@ def test_static_get_runs_no_code():
   module = torch.nn.Linear(2, 2)
   assert pe.static_get(module, "weight") is module.weight
   assert calls == []
+
+
+def test_the_fast_check_agrees_with_reading_every_location():
+  """Watched.key() first asks a function made for the last key's values; any
+  change it misses would replay a stale program, so every kind of change is
+  tried against a fresh Watched that reads everything."""
+  cfg = Config(0.25)
+  holder = Config(None)
+  holder.inner = Config(1.0)
+  model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.3)).eval()
+
+  def step(x):
+    y = model(x) * cfg.beta * SETTINGS["beta"] * _helper(1.0)
+    return y * holder.inner.beta
+
+  recorder, _ = _record(step, torch.ones(1, 2))
+
+  def fresh_key():
+    w = pe.Watched()
+    w.add(recorder)
+    return w.key()
+
+  watched = pe.Watched()
+  watched.add(recorder)
+  assert watched.key() == fresh_key()
+  assert watched.key() == fresh_key()  # the fast path
+  changes = [
+    lambda: setattr(cfg, "beta", 1.0),  # a plain value
+    lambda: setattr(cfg, "beta", 1),  # an equal number of another type
+    lambda: setattr(holder, "inner", Config(1.0)),  # another object
+    lambda: setattr(model[1], "p", 0.0),  # a module's setting
+    lambda: model.__setattr__("1", torch.nn.Identity()),  # another submodule
+    lambda: SETTINGS.__setitem__("beta", 0.25),  # a dict item
+    lambda: globals().__setitem__("SCALE", 3.0),  # a helper's global
+    lambda: globals().pop("SCALE"),  # gone
+  ]
+  try:
+    for change in changes:
+      before = watched.key()
+      change()
+      after = watched.key()
+      assert after == fresh_key()
+      assert after != before
+  finally:
+    SETTINGS["beta"] = 0.5
+    globals()["SCALE"] = 2.0
