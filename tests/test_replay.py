@@ -1297,3 +1297,38 @@ def test_a_replayed_step_gives_up_the_buffers_it_overwrites(monkeypatch):
   _exact(got, want)
   kept, before = checks["kept"]
   _exact(kept, before)
+
+
+WRITES = {"n": 0}  # a counter a step updates (test_a_step_that_writes_is_said_once)
+
+
+def test_a_step_that_writes_python_state_is_said_once(monkeypatch, caplog, strategy):
+  """Issue 50: a step whose Python writes state outside its program (here an item of a
+  module-level dict) is traced at every call, equal to replay off, and said once on
+  the "xladist" logger (not once per step), naming the write and the way out."""
+  caplog.set_level(logging.WARNING, logger="xladist")
+  monkeypatch.delenv("XLADIST_REPLAY_DEBUG", raising=False)
+  with strategy.scope():
+    model = _mlp()
+    opt = _sgd(model.parameters())
+  x = _split(strategy, torch.ones(N * B, 8))
+
+  def step(x):
+    WRITES["n"] += 1
+    loss = model(x).square().mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss
+
+  WRITES["n"] = 0
+  for _ in range(8):
+    strategy.run(step, args=(x,))
+  torch_xla.sync()
+  counts = strategy.extended.experimental_replay_counts
+  assert WRITES["n"] == 8
+  assert counts["traced"] == 8 and counts["replayed"] == 0, counts
+  assert counts["traced_for_writes"] >= 5, counts
+  said = [r.getMessage() for r in caplog.records if "is traced at every call" in r.getMessage()]
+  assert len(said) == 1, said
+  assert "sets an item of WRITES (dict)" in said[0] and "Move the write out" in said[0]

@@ -132,6 +132,7 @@ class Replayer:
     self._group_effects = []  # the python_effects.Recorder of each step of the group
     self._reads = {}  # id(code) -> python_effects.Watched: what its traces read
     self.writes = 0  # traced steps whose Python wrote state outside the program
+    self._warned = set()  # id(code) of the step functions said to write (warn_once)
     self.steps = 0
     self.reasons = collections.deque(maxlen=100)
 
@@ -332,6 +333,20 @@ class Replayer:
         self._watch_step = watch.steps
         return sig
     return signatures.take(fn, args, kwargs, self._store)
+
+  def warn_once(self, fn, why):
+    """Says once per step function, on the "xladist" logger, that its steps are
+    traced at every call and why (a write of its Python: python_effects.py)."""
+    code = _code_id(fn)
+    if code in self._warned:
+      return
+    self._warned.add(code)
+    logger.warning(
+      "xladist replay: %s is traced at every call, not replayed: %s. Move the write out "
+      "of the step function (after strategy.run) to let it replay.",
+      getattr(fn, "__qualname__", fn),
+      why,
+    )
 
   def varying(self, fn):
     """[(dict, key)] of the floats fn's traces read that changed between steps:

@@ -13,7 +13,7 @@ import torch
 
 from xladist import runtime as _runtime
 from xladist._nest import flatten, unflatten
-from xladist._step import hyper, hyper_inputs, seeds
+from xladist._step import hyper, hyper_inputs, python_effects, seeds
 from xladist._step.replay_program import (
   ARG,
   CONST,
@@ -188,6 +188,8 @@ class Attempt:
     entry.failures += 1
     if permanent or entry.failures >= 2:
       entry.refused = why
+      if why.startswith(python_effects.WROTE):
+        self._replayer.warn_once(self._step[0], why)
     self._record(f"not captured: {why}")
 
   def _record(self, what):
