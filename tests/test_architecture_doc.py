@@ -1,10 +1,17 @@
 """docs/architecture.md's picture of the layers lists exactly the layers of the
-import-linter contract in pyproject.toml (which `make lint` enforces)."""
+import-linter contract in pyproject.toml (which `make lint` enforces); the design stays
+under 900 lines (measurements live in docs/performance.md, studies and decisions in
+docs/decisions/, history in CHANGELOG.md); and every relative link of docs/*.md and
+docs/decisions/*.md leads to a file and heading that exist."""
 
 import pathlib
 import re
 
+import pytest
+from test_readme import _anchors, _links  # README's link checker: GitHub's anchor spelling
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = sorted((ROOT / "docs").glob("*.md")) + sorted((ROOT / "docs" / "decisions").glob("*.md"))
 
 
 def _contract_layers():
@@ -42,3 +49,31 @@ def test_every_module_of_the_package_is_in_a_layer():
   top = {p.stem for p in package.glob("*.py") if p.stem != "__init__"}
   top |= {p.name for p in package.iterdir() if (p / "__init__.py").exists()}
   assert top - placed == set(), "modules outside the layers contract"
+
+
+def test_the_design_stays_under_900_lines():
+  lines = (ROOT / "docs" / "architecture.md").read_text().splitlines()
+  assert len(lines) < 900, (
+    f"docs/architecture.md has {len(lines)} lines: move measurements to docs/performance.md, "
+    "studies and decisions to docs/decisions/, history to CHANGELOG.md"
+  )
+
+
+def test_the_docs_and_the_decisions_are_checked():
+  names = {p.relative_to(ROOT).as_posix() for p in DOCS}
+  assert {"docs/architecture.md", "docs/performance.md", "docs/decisions/README.md"} <= names
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_relative_links_of_the_docs_resolve(doc):
+  broken = []
+  for target in _links(doc):
+    if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto: ...
+      continue
+    file_part, _, anchor = target.partition("#")
+    where = (doc.parent / file_part).resolve() if file_part else doc
+    if not where.exists():
+      broken.append(f"{target}: no file {where}")
+    elif anchor and where.suffix == ".md" and anchor not in _anchors(where):
+      broken.append(f"{target}: no heading with anchor #{anchor} in {where.name}")
+  assert not broken, f"{doc.name} has broken links:\n" + "\n".join(broken)
