@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from xladist._step import python_effects as pe
+from xladist._step import read_guards as rg
 
 COUNTER = 0
 SETTINGS = {"beta": 0.5, "mode": "kl"}
@@ -83,7 +84,7 @@ def test_a_location_reads_the_value_now_and_the_key_follows_it():
     return cfg.beta
 
   recorder, _ = _record(step)
-  watched = pe.Watched()
+  watched = rg.Watched()
   watched.add(recorder)
   before = watched.key()
   cfg.beta = 0.5
@@ -107,7 +108,7 @@ def test_an_object_read_is_guarded_by_identity():
     return holder.inner.beta
 
   recorder, _ = _record(step)
-  watched = pe.Watched()
+  watched = rg.Watched()
   watched.add(recorder)
   key = watched.key()
   holder.inner = Config(1.0)  # the same value through another object
@@ -234,11 +235,11 @@ def test_static_get_runs_no_code():
       return 1
 
   obj = WithProperty()
-  assert pe.static_get(obj, "value") is pe._SKIP
-  assert pe.static_get(obj, "limit") == 3
-  assert pe.static_get(obj, "missing") is pe._MISSING
+  assert rg.static_get(obj, "value") is rg.SKIP
+  assert rg.static_get(obj, "limit") == 3
+  assert rg.static_get(obj, "missing") is rg.MISSING
   module = torch.nn.Linear(2, 2)
-  assert pe.static_get(module, "weight") is module.weight
+  assert rg.static_get(module, "weight") is module.weight
   assert calls == []
 
 
@@ -258,11 +259,11 @@ def test_the_fast_check_agrees_with_reading_every_location():
   recorder, _ = _record(step, torch.ones(1, 2))
 
   def fresh_key():
-    w = pe.Watched()
+    w = rg.Watched()
     w.add(recorder)
     return w.key()
 
-  watched = pe.Watched()
+  watched = rg.Watched()
   watched.add(recorder)
   assert watched.key() == fresh_key()
   assert watched.key() == fresh_key()  # the fast path

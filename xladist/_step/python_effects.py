@@ -31,7 +31,6 @@ attributes): a property or `__getattr__` is a frame of its own, followed when
 it is user code.
 """
 
-import builtins
 import collections
 import dis
 import logging
@@ -41,14 +40,13 @@ import sys
 import sysconfig
 import tracemalloc
 import types
-import weakref
 
 import torch
 
+from xladist._step.read_guards import MISSING, SKIP, Location, static_get
+
 _PLAIN = (bool, int, float, str, bytes, type(None))
 WROTE = "the step's Python "  # how the words saying what a step wrote begin
-_MISSING = object()
-_SKIP = object()  # an attribute found but not guarded (a method, a descriptor)
 
 _MUTATORS = {
   "append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse",
@@ -167,130 +165,6 @@ def _container(instrs, after, k):
     if depth > want:
       return None
   return None
-
-
-# -- locations: where a read value lives, read again before each replay ----------------------
-
-
-class Location:
-  """One place the trace read a value from: (kind, owner, name) with kind
-  "global" (owner: a module's globals), "cell" (owner: the function whose
-  closure holds it; name: the cell's index), "attr" (owner: an object) or
-  "item" (owner: a dict). The owner is held weakly where it can be (a model
-  the user lets go of is freed)."""
-
-  __slots__ = ("kind", "_owner", "_weak", "_id", "name", "label", "by_value")
-
-  def __init__(self, kind, owner, name, label, by_value):
-    self.kind, self.name, self.label, self.by_value = kind, name, label, by_value
-    self._id = id(owner)
-    try:
-      self._owner, self._weak = weakref.ref(owner), True
-    except TypeError:
-      self._owner, self._weak = owner, False
-
-  @property
-  def owner(self):
-    return self._owner() if self._weak else self._owner
-
-  def ident(self):
-    return (self.kind, self._id, self.name)
-
-  def read(self):
-    kind, owner, name = self.kind, self.owner, self.name
-    if owner is None and self._weak:
-      return _MISSING
-    if kind == "cell":
-      try:
-        return owner.__closure__[name].cell_contents
-      except (ValueError, IndexError, TypeError):
-        return _MISSING
-    if kind == "global":
-      value = owner.get(name, _MISSING)
-      return builtins.__dict__.get(name, _MISSING) if value is _MISSING else value
-    if kind == "item":
-      return owner.get(name, _MISSING) if isinstance(owner, dict) else _MISSING
-    return static_get(owner, name)
-
-  def key(self, value):
-    """What the replay key keeps of `value`: the value itself when plain, else
-    the object's identity."""
-    if self.by_value and _plain(value):
-      return (type(value), value)
-    return _Same(value)
-
-  def namespace(self):
-    """The dict this location's value lives in (for a float made a program
-    input, hyper.py), or None."""
-    if self.kind in ("global", "item"):
-      return self.owner
-    if self.kind == "attr":
-      d = getattr(self.owner, "__dict__", None)
-      if isinstance(d, dict) and self.name in d:
-        return d
-    return None
-
-
-class _Same:
-  """An object in the replay key, equal to another only when it is the same
-  live object (held weakly where it can be, else held, so that its identity
-  is not reused)."""
-
-  __slots__ = ("_ref", "_id", "_name", "__weakref__")
-
-  def __init__(self, obj):
-    self._id, self._name = id(obj), type(obj).__name__
-    try:
-      self._ref = weakref.ref(obj)
-    except TypeError:
-      self._ref = lambda obj=obj: obj
-
-  def __eq__(self, other):
-    if type(other) is not _Same or other._id != self._id:
-      return False
-    obj = self._ref()
-    return obj is not None and other._ref() is obj
-
-  def __hash__(self):
-    return self._id
-
-  def __repr__(self):
-    return f"<{self._name} object at {self._id:#x}>"
-
-
-def _plain(value):
-  if type(value) in _PLAIN:
-    return True
-  return type(value) is tuple and len(value) <= 16 and all(type(v) in _PLAIN for v in value)
-
-
-def static_get(obj, name):
-  """`obj.name` found without running code, else _SKIP (a method, a property,
-  an attribute computed by `__getattr__`) or _MISSING."""
-  try:
-    d = object.__getattribute__(obj, "__dict__")
-  except AttributeError:
-    d = None
-  if d is not None and name in d:
-    return d[name]
-  if isinstance(obj, torch.nn.Module) and d is not None:
-    for kind in ("_parameters", "_buffers", "_modules"):
-      table = d.get(kind)
-      if table is not None and name in table:
-        return table[name]
-  for klass in type(obj).__mro__:
-    attr = klass.__dict__.get(name, _MISSING)
-    if attr is _MISSING:
-      continue
-    if type(attr) is types.MemberDescriptorType:  # __slots__
-      try:
-        return attr.__get__(obj, type(obj))
-      except AttributeError:
-        return _MISSING
-    if _plain(attr):
-      return attr
-    return _SKIP
-  return _MISSING
 
 
 # -- the recorder --------------------------------------------------------------------------------
@@ -461,9 +335,9 @@ class Recorder:
 
   def _on_global(self, frame, chain, name):
     g = frame.f_globals
-    value = g.get(name, _MISSING)
-    if value is _MISSING:
-      value = frame.f_builtins.get(name, _MISSING)
+    value = g.get(name, MISSING)
+    if value is MISSING:
+      value = frame.f_builtins.get(name, MISSING)
       if value is print:
         self._write("prints (print)")
         return
@@ -472,7 +346,7 @@ class Recorder:
   def _on_deref(self, frame, chain, name):
     if self._owned_here(frame, name):
       return
-    value = frame.f_locals.get(name, _MISSING)
+    value = frame.f_locals.get(name, MISSING)
     for fn in self._functions.get(frame.f_code, ()):
       for cell_name, cell in zip(fn.__code__.co_freevars, fn.__closure__):
         if cell_name == name:
@@ -502,14 +376,14 @@ class Recorder:
 
   def _on_attr(self, frame, chain, name):
     obj = self._resolve(frame, chain)
-    if obj is _SKIP or self._is_born(obj):
+    if obj is SKIP or self._is_born(obj):
       return
     value = static_get(obj, name)
-    if value is _SKIP:
+    if value is SKIP:
       if isinstance(obj, _CONTAINERS) and name in _MUTATORS:
         self._write(f"changes {_path(chain)} ({type(obj).__name__}.{name})")
       return
-    if value is _MISSING:
+    if value is MISSING:
       return
     if isinstance(obj, torch.nn.Module) and (name == "training" or name[:1] == "_"):
       # train()/eval() are the signature's modes (a step may set them itself), and
@@ -519,10 +393,10 @@ class Recorder:
 
   def _on_item(self, frame, chain, key):
     obj = self._resolve(frame, chain)
-    if obj is _SKIP or not isinstance(obj, dict) or self._is_born(obj):
+    if obj is SKIP or not isinstance(obj, dict) or self._is_born(obj):
       return
-    value = obj.get(key, _MISSING)
-    if value is not _MISSING:
+    value = obj.get(key, MISSING)
+    if value is not MISSING:
       self._read("item", obj, key, value, f"{_path(chain)}[{key!r}]")
 
   # -- writes -----------------------------------------------------------------------------------
@@ -538,15 +412,15 @@ class Recorder:
       self._write(f"sets nonlocal {name!r} of {frame.f_code.co_qualname}")
 
   def _on_store_attr(self, frame, chain, name):
-    obj = self._resolve(frame, chain) if chain is not None else _SKIP
-    if obj is _SKIP:
+    obj = self._resolve(frame, chain) if chain is not None else SKIP
+    if obj is SKIP:
       self._write(f"sets attribute {name!r} of an object xladist cannot follow")
     elif not self._is_born(obj):
       self._write(f"sets {_path(chain)}.{name} ({type(obj).__name__})")
 
   def _on_store_item(self, frame, chain, name):
-    obj = self._resolve(frame, chain) if chain is not None else _SKIP
-    if obj is _SKIP:
+    obj = self._resolve(frame, chain) if chain is not None else SKIP
+    if obj is SKIP:
       self._write("sets an item of a container xladist cannot follow")
     elif not self._is_born(obj) and not isinstance(obj, torch.Tensor):
       self._write(f"sets an item of {_path(chain)} ({type(obj).__name__})")
@@ -555,16 +429,16 @@ class Recorder:
   def _resolve(self, frame, chain):
     kind, name = chain[0]
     if kind == "global":
-      obj = frame.f_globals.get(name, _MISSING)
-      if obj is _MISSING:
-        obj = frame.f_builtins.get(name, _MISSING)
+      obj = frame.f_globals.get(name, MISSING)
+      if obj is MISSING:
+        obj = frame.f_builtins.get(name, MISSING)
     else:
-      obj = frame.f_locals.get(name, _MISSING)
+      obj = frame.f_locals.get(name, MISSING)
     for attr in chain[1:]:
-      if obj is _MISSING or obj is _SKIP:
-        return _SKIP
+      if obj is MISSING or obj is SKIP:
+        return SKIP
       obj = static_get(obj, attr)
-    return _SKIP if obj is _MISSING else obj
+    return SKIP if obj is MISSING else obj
 
   def _is_born(self, obj):
     if id(obj) in self._born:
@@ -645,141 +519,6 @@ def _same_state(a, b):
       np.array_equal(a[k], b[k]) if hasattr(a[k], "shape") else _same_state(a[k], b[k]) for k in a
     )
   return a == b
-
-
-# -- what the traces of one step function read ----------------------------------------------------
-
-
-class Watched:
-  """The locations the traces of one step function read, in the order first
-  found, and which of them hold a float that changed between steps (`varying`:
-  made a program input, hyper.py). Their values are part of the step's replay
-  key: a value that changed traces the step (the replay guard)."""
-
-  def __init__(self):
-    self.locations = {}  # Location.ident() -> Location
-    self.varying = {}  # Location.ident() -> Location
-    self._same = None  # () -> whether every location holds what the last key saw
-    self._last = None  # the last key made
-
-  def add(self, recorder):
-    n = len(self.locations)
-    for loc, _ in recorder.locations():
-      self.locations.setdefault(loc.ident(), loc)
-    if len(self.locations) != n:
-      self._same = None
-
-  def key(self):
-    """What the replay key keeps of the locations' values now. Checked first
-    against the values the last key saw, by a function made for them (one
-    straight line of dict lookups and comparisons: `_checker`)."""
-    if self._same is not None and self._same():
-      return self._last
-    varying = self.varying
-    out, values = [], []
-    for ident, loc in self.locations.items():
-      value = loc.read()
-      values.append(value)
-      if ident in varying and type(value) is float:
-        out.append(("a float input", value if value in (0.0, 1.0) else "a number"))
-      else:
-        out.append(loc.key(value))
-    self._last = tuple(out)
-    self._same = _checker(list(self.locations.values()), values, self._last, varying)
-    return self._last
-
-  def changed(self, old, new):
-    """The labels of the locations whose values differ between two keys made by
-    `key` (the same locations), marking the floats among them as varying when
-    only floats changed."""
-    locs = list(self.locations.values())
-    diff = [i for i, (a, b) in enumerate(zip(old, new)) if a != b]
-    if len(old) != len(new) or not diff:
-      return []
-    if all(type(b) is tuple and b and b[0] is float for b in (new[i] for i in diff)):
-      for i in diff:
-        if locs[i].namespace() is not None:
-          self.varying[locs[i].ident()] = locs[i]
-          self._same = None
-    return [f"{locs[i].label} ({_shown(old[i])} -> {_shown(new[i])})" for i in diff]
-
-  def as_varying(self, values):
-    """`values` (a key made by `key` before some floats became varying) as `key`
-    makes it now, or None when a varying float in it is not 0 or 1: the program
-    of such a key took that float as a constant, so only a key that pins the
-    value (0 and 1 are pinned) stays true."""
-    out = list(values)
-    for i, ident in enumerate(self.locations):
-      if i >= len(out) or ident not in self.varying:
-        continue
-      entry = out[i]
-      if type(entry) is tuple and entry and entry[0] is float:
-        if entry[1] not in (0.0, 1.0):
-          return None
-        out[i] = ("a float input", entry[1])
-    return tuple(out)
-
-  def namespaces(self):
-    """[(dict, key)] of the varying floats, to swap for Hypers while tracing."""
-    out = []
-    for loc in self.varying.values():
-      ns = loc.namespace()
-      if ns is not None:
-        out.append((ns, loc.name))
-    return out
-
-
-def _checker(locations, values, key, varying):
-  """A function saying whether every location holds what `values` (the values
-  read for `key`) held, as the key sees them: a plain value equal and of the
-  same type, an object the same one, a varying float of the same class (0, 1 or
-  another number). Made as Python source, one line per test, grouped by owner:
-  a replay's guard check is a few dozen nanoseconds per location."""
-  lines, env = ["def same():"], {"M": _MISSING, "static_get": static_get}
-  owner_var = {}
-  for i, (loc, value, entry) in enumerate(zip(locations, values, key, strict=True)):
-    env[f"L{i}"] = loc
-    get = f"L{i}.read()"
-    if loc.kind == "attr":
-      o = loc.owner
-      d = getattr(o, "__dict__", None) if o is not None else None
-      if isinstance(d, dict) and loc.name in d:
-        var = owner_var.get(loc._id)
-        if var is None:
-          var = owner_var[loc._id] = f"d{i}"
-          env[f"R{i}"] = loc._owner
-          lines.append(f"  o = R{i}()" if loc._weak else f"  o = R{i}")
-          lines.append("  if o is None: return False")
-          lines.append(f"  {var} = o.__dict__")
-        env[f"N{i}"] = loc.name
-        get = f"{var}.get(N{i}, M)"
-    elif loc.kind == "global" and loc.name in loc.owner:
-      env[f"G{i}"], env[f"N{i}"] = loc.owner, loc.name
-      get = f"G{i}.get(N{i}, M)"
-    lines.append(f"  x = {get}")
-    if type(entry) is tuple and entry and entry[0] == "a float input":
-      pinned = entry[1]
-      test = (
-        "x.__class__ is not float or x == 0.0 or x == 1.0"
-        if pinned == "a number"
-        else f"x.__class__ is not float or x != {pinned!r}"
-      )
-    elif type(entry) is tuple and entry and isinstance(entry[0], type):
-      env[f"T{i}"], env[f"V{i}"] = entry[0], value
-      test = f"x.__class__ is not T{i} or x != V{i}"
-    else:
-      env[f"S{i}"] = entry  # a _Same: the object, held weakly where it can be
-      test = f"x is not S{i}._ref() or x is None"  # (a dead object's ref gives None)
-    lines.append(f"  if {test}: return False")
-  lines.append("  return True")
-  exec("\n".join(lines), env)  # noqa: S102 (source made above from names it numbers)
-  return env["same"]
-
-
-def _shown(entry):
-  if isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], type):
-    return repr(entry[1])
-  return repr(entry)
 
 
 def merged(recorders):

@@ -41,7 +41,7 @@ import torch
 from xladist import _settings
 from xladist import runtime as _runtime
 from xladist._nest import flatten
-from xladist._step import hyper, python_effects, seeds
+from xladist._step import hyper, python_effects, read_guards, seeds
 from xladist._step import signature as signatures
 from xladist._step.replay_capture import (
   Attempt,
@@ -130,7 +130,7 @@ class Replayer:
     self._in_group = False  # tracing the steps of a group (`_group_steps`)
     self._group_hypers = []  # the hyper.Swapped of each step of the group traced now
     self._group_effects = []  # the python_effects.Recorder of each step of the group
-    self._reads = {}  # id(code) -> python_effects.Watched: what its traces read
+    self._reads = {}  # id(code) -> read_guards.Watched: what its traces read
     self.writes = 0  # traced steps whose Python wrote state outside the program
     self._warned = set()  # id(code) of the step functions said to write (warn_once)
     self.steps = 0
@@ -361,7 +361,7 @@ class Replayer:
     code = _code_id(fn)
     reads = self._reads.get(code)
     if reads is None:
-      reads = self._reads[code] = python_effects.Watched()
+      reads = self._reads[code] = read_guards.Watched()
     before = len(reads.locations)
     reads.add(effects)
     if len(reads.locations) == before:
@@ -379,7 +379,7 @@ class Replayer:
         break
 
   def _rekey(self, code, reads):
-    """Floats fn reads became program inputs (`python_effects.Watched.varying`):
+    """Floats fn reads became program inputs (`read_guards.Watched.varying`):
     the keys of its entries that pinned them at 0 or 1 are rewritten as the
     key is made now, so that a value going back to one of them finds its
     program (a loop switching `Dropout.p` between 0 and 0.5)."""
