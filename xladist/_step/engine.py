@@ -124,9 +124,7 @@ class StepEngine:
     )
     # What fn's Python reads and writes (python_effects.py), for a step that may
     # be captured; the values read that changed between steps are Hypers.
-    self._effects = attempt.effects = (
-      python_effects.Recorder(fn) if attempt.wants_hypers() else None
-    )
+    effects = self._effects = python_effects.Recorder(fn) if attempt.wants_hypers() else None
     for namespace, name in self._replayer.varying(fn):
       swapped.swap_value(namespace, name)
     try:
@@ -154,8 +152,7 @@ class StepEngine:
       self._effects = None
       del step
       made.release(keep, fn)
-    attempt.hypers = swapped
-    return hyper.plain(attempt.finish(out))
+    return hyper.plain(attempt.finish(out, swapped, effects))
 
   def replay_steps(self, fn, args_list):
     """experimental_run_steps' steps after a replayed one, as one replayed

@@ -140,7 +140,8 @@ class Replayer:
   def run(self, fn, args, kwargs, watch, options):
     """Replays the step if it can. Returns (result, None) when replayed, else
     (None, attempt): trace the step with `attempt.args` / `attempt.kwargs`, then
-    call `attempt.finish(result)` (or `attempt.abandon()` if the trace failed)."""
+    call `attempt.finish(result, hypers, effects)` (or `attempt.abandon()` if the trace
+    failed)."""
     self.steps += 1
     self.last_replayed = None
     seed = seeds.STEP_SEEDS.start_step()
@@ -255,9 +256,9 @@ class Replayer:
     one seed chain on torch_xla), and its program's inputs are the slots and the
     k steps' arguments. Host step counters chain through the steps (`carried`)."""
     k = len(args_list)
-    group = entry.groups.get(k)
+    group = entry.step_groups.get(k)
     if group is None:
-      group = entry.groups[k] = KeyEntry()
+      group = entry.step_groups[k] = KeyEntry()
     if group.refused is not None:
       return None
     args_list = [tuple(args) for args in args_list]
@@ -299,10 +300,10 @@ class Replayer:
     finally:
       self._in_group = False
     program = group.program
-    attempt.hypers = hyper.Swapped.merged(self._group_hypers)
-    attempt.effects = python_effects.merged(self._group_effects)
+    hypers = hyper.Swapped.merged(self._group_hypers)
+    effects = python_effects.merged(self._group_effects)
     self._group_hypers, self._group_effects = [], []
-    outs = attempt.finish(outs)
+    outs = attempt.finish(outs, hypers, effects)
     if group.program is not program:  # captured now: where its steps' seeds start
       offsets = tuple(seeds.draws_between(seed, s) for s in starts)
       if None in offsets:

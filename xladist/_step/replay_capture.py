@@ -60,8 +60,8 @@ class Attempt:
     self._seed0 = seed
     self.args = self.kwargs = None
     self.group = False  # the attempt of experimental_run_steps' group, not of a step
-    self.hypers = None  # the step's hyper.Swapped (set by the engine after the trace)
-    self.effects = None  # the step's python_effects.Recorder (set by the engine)
+    self.hypers = None  # the step's hyper.Swapped (given to `finish`)
+    self.effects = None  # the step's python_effects.Recorder (given to `finish`)
     self._ready = False
     if entry is not None:
       self._prepare(fn, leaves, spec)
@@ -134,9 +134,11 @@ class Attempt:
     """The trace failed: keep the seed bookkeeping right."""
     seeds.STEP_SEEDS.after_trace()
 
-  def finish(self, result):
+  def finish(self, result, hypers=None, effects=None):
     """Captures the traced step when it can (compiling and running its program
-    now), and returns the step's result."""
+    now), and returns the step's result. `hypers`: the trace's hyper.Swapped;
+    `effects`: its python_effects.Recorder (what its Python read and wrote)."""
+    self.hypers, self.effects = hypers, effects
     seed1 = seeds.STEP_SEEDS.after_trace()
     rep = self._replayer
     if self._entry is None:
@@ -213,7 +215,7 @@ class Attempt:
       entry.promoted = True
       return
     entry.promoted = False
-    entry.groups = {}  # captured from the step's old program
+    entry.step_groups = {}  # captured from the step's old program
     if self._verify is None:
       self._record(f"captured {what} than the last trace: the next trace confirms it")
     else:

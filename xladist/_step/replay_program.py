@@ -200,7 +200,7 @@ class KeyEntry:
   since_verify: int = 0
   refused: str = None  # why this key is never replayed, or None
   failures: int = 0  # captures refused so far (twice: never again)
-  groups: dict = dataclasses.field(default_factory=dict)  # k -> KeyEntry of k steps as one program
+  step_groups: dict = dataclasses.field(default_factory=dict)  # k -> KeyEntry of k steps
   guard_failures: int = 0  # replays refused by a guard in a row
 
 
