@@ -37,9 +37,7 @@ def test_a_second_clone_imports_its_own_xladist(tmp_path):
   if not (ROOT / ".git").exists():
     pytest.fail(f"{ROOT} is not a git clone")
   clone = tmp_path / "second-clone"
-  subprocess.run(
-    ["git", "clone", "--quiet", str(ROOT), str(clone)], check=True, timeout=120
-  )
+  subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True, timeout=120)
   env = dict(os.environ, XLADIST_VENV=sys.prefix)
   env.pop("MAKEFLAGS", None)
   env.pop("MAKELEVEL", None)
