@@ -274,7 +274,10 @@ def test_eval_mode_batch_norm_op_outside_a_step(shape, affine):
     inputs = [t.detach().to(dev).requires_grad_() for t in [x, *params]]
     stats = [mean.to(dev), var.to(dev)]
     out = F.batch_norm(inputs[0], *stats, *(inputs[1:] or [None, None]), training=False, eps=1e-3)
-    (out * weights.to(dev)).sum().backward()
+    # (autograd in this thread, as in a step: a CPU backward an earlier test ran before
+    # torch_xla registered its device left torch's engine without a queue for it)
+    with torch.autograd.set_multithreading_enabled(False):
+      (out * weights.to(dev)).sum().backward()
     results.append(
       [out.detach().cpu()] + [t.grad.cpu() for t in inputs] + [t.detach().cpu() for t in stats]
     )
