@@ -285,4 +285,4 @@ def test_model_trains_like_plain_pytorch_within_float32s_own_rounding(strategy, 
   )
   # The model's step replays once promoted (step 1 makes the optimizer's state,
   # steps 2 and 3 are captured and compared).
-  assert counts == {"traced": 3, "replayed": STEPS - 3, "traced_for_writes": 0}, counts
+  assert counts == {"traced": 3, "replayed": STEPS - 3}, counts
