@@ -10,22 +10,12 @@ leaving converts every output (and the variables) back to global views:
   the region each replica sees the whole tensor;
 * an output of shape `shape` leaves as (num_replicas, *shape), split over the
   replica axis, and becomes a `PerReplica`.
-
-A device tensor made before the step that is not a variable (an EMA helper's
-shadow copies, a counter made with `torch.zeros(..., device=...)`) is read as
-a replicated value; when the step writes it in place it is entered like a
-mirrored variable (`enter_outside`) and leaves with the variables, replicated.
-`varying` holds the step's values known to differ between replicas (the
-replicas' rows of PerReplica arguments, the replica id; `StepTensors` adds
-what is computed from them), so that a write of such a value to one of those
-tensors is refused instead of keeping replica 0's value.
 """
 
 import torch
 
 from xladist import _logical, collectives
 from xladist import runtime as _runtime
-from xladist import variable_policy as policies
 from xladist.step_writes import StepWrites
 from xladist.values import _NOT_CONSTANT, DistributedValues, Mirrored, PerReplica
 
@@ -39,11 +29,6 @@ HOST_READ_MESSAGE = (
   "ReplicaContext.all_reduce), or return the value from the step function and "
   "read it after strategy.run returns."
 )
-
-
-# Attribute of a tensor that a step entered by `Region.enter_outside` (made
-# before that step, so before every later one).
-_OUTSIDE = "_xladist_outside"
 
 
 class Region:
@@ -74,10 +59,6 @@ class Region:
     self._first_id = _runtime.creation_index()
     self._replicated_ids = set()  # local views of Mirrored / plain-tensor arguments
     self._variable_ids = None  # ids of the strategy's variables (arguments that are one)
-    # id -> tensor: the step's values that differ between replicas (see the module
-    # docstring); kept alive here so that no id is reused while the step is traced.
-    self.varying = {}
-    self.outside = {}  # id -> tensor made before the step and entered by a write
 
   # -- replica id ---------------------------------------------------------------
   @property
@@ -86,7 +67,6 @@ class Region:
     if self._replica_id is None:
       iota = self._replica_iota()
       self._replica_id = _runtime.to_local(iota).reshape(())
-      self.note_varying(self._replica_id)
     return self._replica_id
 
   @property
@@ -135,9 +115,7 @@ class Region:
       if constant is not _NOT_CONSTANT:
         return constant  # the same Python value on every replica
       stacked = value._stacked_global(self.num_replicas)
-      local = _runtime.to_local(stacked).squeeze(0)
-      self.note_varying(local)
-      return local
+      return _runtime.to_local(stacked).squeeze(0)
     if isinstance(value, Mirrored):
       return self.enter_value(value.primary)
     if isinstance(value, torch.Tensor):
@@ -151,47 +129,6 @@ class Region:
       self._replicated_ids.add(id(local))
       return local
     return value
-
-  def note_varying(self, tensor):
-    """Records `tensor` as a value that differs between replicas (see `varying`)."""
-    if self.num_replicas > 1:
-      self.varying[id(tensor)] = tensor
-
-  def made_before(self, tensor):
-    """True for a device tensor made before the step began: its value existed
-    then, or an earlier step entered it (`enter_outside`; on the jax runtime a
-    value an earlier step of the same program wrote is a traced one)."""
-    return getattr(tensor, _OUTSIDE, False) or _runtime.creation_index(tensor) < self._first_id
-
-  def enter_outside(self, t):
-    """Enters `t`, a device tensor made before the step that is not a variable,
-    which the step is about to write in place (or to alias with `.data`).
-
-    The rest of the step sees its whole value on every replica (the local view
-    of a replicated tensor) and writes that view; `t` then leaves like a
-    mirrored variable with aggregation NONE (`VariableStore.exit`): written,
-    as the replicated global of what the replicas wrote (every replica wrote
-    the same value: `StepTensors` refuses writes of values that differ between
-    replicas); not written, its global tensor back. A failed step puts the
-    global tensor back (`VariableStore.restore`).
-    """
-    data = t.data
-    local = _runtime.to_local(_runtime.ensure_sharded(data))
-    if tuple(local.shape) != tuple(data.shape):
-      raise RuntimeError(
-        f"strategy.run: the step writes a tensor of shape {tuple(t.shape)} in place "
-        "that was made outside the step and is split over the replicas (a "
-        "PerReplica's stacked value); it is not a variable of "
-        f"{self.strategy!r}, so its rows cannot leave the step. Pass it to "
-        "strategy.run as an argument, or keep such state in a module buffer made "
-        "under strategy.scope() (a sync-on-read variable: one value per replica)."
-      )
-    t.data = local
-    step = self.step
-    step.variables.append((t, data, t.grad if t.is_leaf else None, policies.MIRRORED))
-    step.watch(t)
-    self.outside[id(t)] = t
-    setattr(t, _OUTSIDE, True)
 
   def is_variable(self, tensor):
     """True when `tensor` is one of the strategy's (placed) variables."""
@@ -262,8 +199,3 @@ class Region:
     self._core_axis = None
     self._replicated_ids = set()
     self._variable_ids = None
-    # Cleared, not replaced: the step's StepTensors shares these dicts, and
-    # what they hold must not count as a reference when it releases the step's
-    # tensors (StepTensors.release).
-    self.varying.clear()
-    self.outside.clear()

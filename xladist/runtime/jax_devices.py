@@ -136,7 +136,7 @@ def initialize():
       torchax = torchax_load.load()
     except ImportError as e:
       raise _runtime_not_installed(e) from e
-    torchax_fixes.install(in_traced_step=lambda: _current() is not None)
+    torchax_fixes.install()
     torchax.enable_globally()
     _follow_data_assignments(torchax.tensor.Tensor)
     _eager_host_transfers(jax, torchax)

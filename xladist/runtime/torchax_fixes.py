@@ -97,13 +97,6 @@ Fixes 3, 9 and 10 are lowerings of their own, in torchax_lowerings.py; on torch
    custom op registered with `torch.library`) raised `OperatorNotFound` once the
    runtime enabled torchax for the process: torch's own runs it, as without
    xladist (outside a step torch is plain torch).
-15. The same methods and `detach` while a step is traced: torchax's own compute
-   on the jax array in Python, out of sight of the step's torch function mode
-   (`_step/tensors.py: StepTensors`), which follows the values that differ
-   between replicas and enters the tensors made before the step that the step
-   writes: `total.add_(loss.detach())` kept replica 0's loss, and `t[i] = v` on
-   such a tensor left a traced value in it ("UnexpectedTracerError" at the next
-   step). In a step they are torch's own, lowered op by op.
 
 Not here (the runtime's step handles it): the PRNG key, which torchax's
 `jax_jit` bakes in at trace time (the same dropout mask every step): the step
@@ -115,7 +108,6 @@ import functools
 from xladist.runtime import torchax_lowerings
 
 _installed = []
-_in_traced_step = [lambda: False]  # whether a step is being traced (`install`)
 
 
 def _torch():
@@ -214,21 +206,15 @@ def _inplace_view_ops():
 
 
 _GRAPH_CUTTING_METHODS = ("flatten", "type_as", "__setitem__")
-_STEP_METHODS = _GRAPH_CUTTING_METHODS + ("detach",)  # fix 15
 
 
 def _recorded_under_autograd(lowered, name):
-  """Fixes 5 and 15: torch's own method under autograd (an input that requires
-  grad) and while a step is traced, torchax's otherwise."""
   torch = _torch()
   base = getattr(torch.Tensor, name)
-  in_traced_step = _in_traced_step
 
   @functools.wraps(lowered)
   def method(self, *args, **kwargs):
-    if in_traced_step[0]() or (
-      torch.is_grad_enabled() and _requires_grad_input((self, args), kwargs)
-    ):
+    if torch.is_grad_enabled() and _requires_grad_input((self, args), kwargs):
       return base(self, *args, **kwargs)
     return lowered(self, *args, **kwargs)
 
@@ -322,11 +308,8 @@ def _autocast_casts(policy, dtype, args, kwargs):
   return pytree.tree_map_only(torch.Tensor, cast, (args, kwargs))
 
 
-def install(in_traced_step=None):
-  """Applies the fixes to torchax (idempotent; imports torchax).
-  `in_traced_step`: () -> whether a step is being traced in this thread (fix 15)."""
-  if in_traced_step is not None:
-    _in_traced_step[0] = in_traced_step
+def install():
+  """Applies the fixes to torchax (idempotent; imports torchax)."""
   if _installed:
     return
   from xladist.runtime import torchax_load
@@ -428,7 +411,7 @@ def install(in_traced_step=None):
 
   txt.XLAFunctionMode.__torch_function__ = torch_function
   txt.XLADispatchMode.__torch_dispatch__ = torch_dispatch
-  for name in _STEP_METHODS:  # fixes 5 and 15
+  for name in _GRAPH_CUTTING_METHODS:  # fix 5
     setattr(txt.Tensor, name, _recorded_under_autograd(getattr(txt.Tensor, name), name))
   txt.Tensor.data = property(_data_alias, txt.Tensor.data.fset)  # fix 6
   _installed.append((lowered_function, lowered_dispatch))
