@@ -8,6 +8,7 @@ either passes `isinstance` checks against both).
 from xladist import coordinator, partitioners
 from xladist.communication_options import CommunicationImplementation, CommunicationOptions
 from xladist.run_options import ValueContext
+from xladist.sharding_options import ShardingOptions
 from xladist.strategies.central_storage import CentralStorageStrategy
 from xladist.strategies.multi_worker import MultiWorkerMirroredStrategy
 from xladist.strategies.parameter_server import ParameterServerStrategy
@@ -20,6 +21,7 @@ __all__ = [
   "DeviceAssignment",
   "MultiWorkerMirroredStrategy",
   "ParameterServerStrategy",
+  "ShardingOptions",
   "ValueContext",
   "coordinator",
   "partitioners",

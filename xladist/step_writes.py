@@ -13,6 +13,7 @@ region holds it (`region.step`, `VariableStore.active_step`).
 import torch
 
 from xladist import runtime as _runtime
+from xladist.sharded_state import ShardedStep
 
 
 class StepWrites:
@@ -39,6 +40,8 @@ class StepWrites:
     "created",
     "optimizer_clean",
     "aggregated_grads",
+    "sharded",
+    "kept_grads",
   )
 
   def __init__(self, region):
@@ -56,6 +59,8 @@ class StepWrites:
     self._sanctioned = {}  # id(tensor) -> IR id after its last combined write
     self.created = set()  # ids of variables made inside the step
     self.optimizer_clean = {}  # id(optimizer) -> aggregated params it may sanction
+    self.sharded = ShardedStep(region)  # sharded parameters (sharded_state.py)
+    self.kept_grads = {}  # id(parameter) -> its kept gradients' global (sharded_state.keep_grads)
 
   def watch(self, t):
     self._pins.append(torch.ops.aten.alias(t.data))

@@ -29,7 +29,7 @@ import weakref
 import torch
 from torch.nn.modules import module as torch_module
 
-from xladist import collectives
+from xladist import collectives, sharded_state
 from xladist import runtime as _runtime
 from xladist import variable_policy as policies
 from xladist.reduce_util import ReduceOp
@@ -63,6 +63,7 @@ class VariableStore:
     self._scope_depth = 0
     self._overrides = []  # tower_local_var_scope policies, innermost last
     self.active_step = None  # the StepWrites of the run being traced
+    self.sharding = None  # the strategy's ShardingOptions (sharded_state.py), or None
 
   @property
   def policy_override(self):
@@ -232,7 +233,13 @@ class VariableStore:
   def _move(self, module, name, t):
     """Swaps `t` with its placed copy; returns the copy (now holding the old
     value), or None when `t` is where it belongs."""
-    placed = self._place_fn(t)
+    layout = sharded_state.choose(t, self.sharding, self.num_replicas)
+    if layout is not None and layout.params and not layout.is_rows(t):
+      placed = sharded_state.place_rows(t, layout)
+    else:
+      placed = self._place_fn(t)
+    if layout is not None:
+      sharded_state.set_layout(t, layout)  # swap_tensors takes it to the placed tensor
     if placed is None:
       return None
     if isinstance(t, torch.nn.Parameter):
@@ -254,6 +261,9 @@ class VariableStore:
     return placed
 
   def _after_move(self, module, t):
+    layout = sharded_state.layout_of(t)
+    if layout is not None and layout.params and isinstance(module, torch.nn.Module):
+      sharded_state.watch_module(module)
     if (
       self.num_replicas > 1
       and _runtime.is_device_tensor(t)
@@ -336,6 +346,12 @@ class VariableStore:
     count_traced_step(1)
     for t in self.variables():
       self.enter_variable(t, step)
+    step.sharded.gather_entered()
+    for t, *_ in step.variables:
+      if id(t) in step.sharded.rows:
+        step.watch(t)
+        if id(t) in step.kept_grads:
+          t.grad = _runtime.to_local(step.kept_grads[id(t)]).squeeze(0)
     for optimizer in self.optimizers():
       self.enter_optimizer(optimizer, step)
 
@@ -379,6 +395,18 @@ class VariableStore:
     """Swaps one variable for its local view (`local`: a value made in the step)."""
     data, grad = t.data, t.grad
     policy = policies.policy_of(t)
+    layout = sharded_state.layout_of(t)
+    if local is None and layout is not None and layout.params:
+      # Kept as rows: this replica's row now, the full value once every
+      # sharded parameter is entered (one packed gather, `enter`).
+      t.grad = None
+      step.sharded.enter(t, _runtime.to_local(_runtime.ensure_sharded(data)), layout)
+      t.data = step.sharded.rows[id(t)]
+      step.variables.append((t, data, grad, policy))
+      grads = sharded_state.kept_grads(t)
+      if grads is not None:
+        step.kept_grads[id(t)] = grads
+      return
     if local is None:
       copies = copies_of(t)
       if copies is not None:
@@ -396,8 +424,17 @@ class VariableStore:
   def enter_optimizer(self, optimizer, step):
     snapshot = {p: dict(state) for p, state in optimizer.state.items()}
     step.optimizers.append((optimizer, snapshot))
-    for state, key, v in list(self.optimizer_state_slots(optimizer)):
-      state[key] = _runtime.to_local(_runtime.ensure_sharded(v))
+    if self.sharding is not None:
+      sharded_state.watch_optimizer(optimizer)
+    for p, state in optimizer.state.items():
+      layout = sharded_state.layout_of(p)
+      for key, v in list(state.items()):
+        if not (isinstance(v, torch.Tensor) and _runtime.is_device_tensor(v)):
+          continue
+        local = _runtime.to_local(_runtime.ensure_sharded(v))
+        if layout is not None and v.dim() > 0:
+          local = layout.local_row(local, step.region.replica_id)
+        state[key] = local
 
   def exit(self, step, to_global):
     """Swaps the local views back for global ones.
@@ -419,6 +456,13 @@ class VariableStore:
     n = region.num_replicas
     combine = {}  # (aggregation, on_read) -> [tensor]
     for t, data, _, policy in step.variables:
+      layout = sharded_state.layout_of(t)
+      if layout is not None and layout.params:
+        grad = t.grad
+        t.grad = None
+        t.data = step.sharded.exit_value(t, data, layout)
+        sharded_state.keep_grads(t, None if id(t) in stepped or grad is None else grad, n)
+        continue
       if not step.written(t):
         t.data = data
       elif policy.on_read and n > 1:
@@ -459,14 +503,23 @@ class VariableStore:
       if copies is not None:
         copies.restamp(t)
     for optimizer, _ in step.optimizers:
-      for state, key, v in list(VariableStore.optimizer_state_slots(optimizer)):
-        state[key] = to_global(v)
+      for p, state in optimizer.state.items():
+        layout = sharded_state.layout_of(p)
+        for key, v in list(state.items()):
+          if not (isinstance(v, torch.Tensor) and _runtime.is_device_tensor(v)):
+            continue
+          if layout is not None and v.dim() > 0:
+            state[key] = sharded_state.to_global_rows(v, layout)
+          else:
+            state[key] = to_global(v)
     self.active_step = None
     count_traced_step(-1)
 
   def restore(self, step):
     """Puts back the global tensors saved by `enter` (after a failed trace)."""
     for t, data, grad, _ in step.variables:
+      if sharded_state.layout_of(t) is not None:
+        t.grad = None  # a gradient's shape may be the full one while data is rows
       if id(t) in step.created:
         # Made inside the failed step: it has no value outside it.
         data = _runtime.place_replicated(torch.zeros(t.shape, dtype=t.dtype))

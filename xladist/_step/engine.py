@@ -36,7 +36,7 @@ import traceback
 import torch
 from torch.optim import optimizer as torch_optimizer
 
-from xladist import collectives, context
+from xladist import collectives, context, sharded_state
 from xladist import runtime as _runtime
 from xladist._nest import flatten, tree_map, unflatten
 from xladist._step import hyper, python_effects, rng_state, seeds
@@ -118,6 +118,15 @@ class StepEngine:
       torch_optimizer.register_optimizer_step_pre_hook(self._before_optimizer_step),
       torch_optimizer.register_optimizer_step_post_hook(self._after_optimizer_step),
     )
+    if store.sharding is not None and store.sharding.shards("parameters"):
+      # Parameters left as rows by optimizer.step() are gathered again when a
+      # module that holds them runs later in the same step.
+      regather = step.sharded.regather
+      hooks += (
+        torch.nn.modules.module.register_module_forward_pre_hook(
+          lambda module, args: regather(module)
+        ),
+      )
     self.region = region
     swapped = self._swapped = hyper.Swapped(
       active=attempt.wants_hypers(), carried=self._replayer.carried()
@@ -267,9 +276,14 @@ class StepEngine:
     # updated identically on every replica (from aggregated gradients).
     step.optimizer_clean[id(optimizer)] = step.clean([p for p in params if step.is_aggregated(p)])
     self.aggregate_gradients(ctx, params, "optimizer.step()")
+    if store.sharding is not None:
+      # Sharded state (sharded_state.py): the update runs on each replica's rows.
+      sharded_state.refuse_optimizer(optimizer)
+      step.sharded.stepping[id(optimizer)] = step.sharded.to_shards(params)
 
   def after_optimizer_step(self, optimizer):
     step = self.region.step
+    step.sharded.from_shards(step.sharded.stepping.pop(id(optimizer), ()))
     step.sanction(step.optimizer_clean.pop(id(optimizer), ()))
 
   def aggregate_for_clipping(self, ctx, tensors):

@@ -109,6 +109,10 @@ class Runtime(Protocol):
     """How a tensor is placed, as text ("" for a host tensor): equal texts mean
     equal placements (the step's signature keys on it)."""
 
+  def held_bytes(self, tensor) -> int:
+    """The bytes of `tensor` that the fullest device holds (its shard, or the
+    whole tensor where it is replicated), read from the runtime's placement."""
+
   def local_shards(self, tensor) -> list:
     """[(host tensor, device name)] of this process's blocks of a global tensor."""
 

@@ -218,6 +218,11 @@ def _follow_data_assignments(tensor_class):
   prop = tensor_class.data
 
   def set_data(self, other):
+    torch = _torch()
+    if isinstance(other, torch.Tensor) and tuple(self.shape) != tuple(other.shape):
+      # A new shape (sharded state's rows, sharded_state.py): torch's own setter
+      # updates the sizes autograd checks a gradient against; torchax's keeps them.
+      torch._C.TensorBase.data.__set__(self, other)
     prop.fset(self, other)
     st = _current()
     if st is not None:

@@ -122,6 +122,17 @@ def is_sharded(t):
   return bool(is_device_tensor(t) and not t._elem.sharding.is_fully_replicated)
 
 
+def held_bytes(t):
+  """The bytes of a device tensor on its fullest device: its addressable shards
+  per device (a host tensor: its own size)."""
+  if not is_device_tensor(t):
+    return t.numel() * t.element_size()
+  per_device = {}
+  for shard in t._elem.addressable_shards:
+    per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+  return max(per_device.values(), default=0)
+
+
 def sharding_spec(t):
   """How a device tensor is placed, as the step signature sees it: "split" over
   the replicas or "replicated" ("" for a host tensor). A traced value (a step's

@@ -471,6 +471,28 @@ def is_sharded(t):
   )
 
 
+def held_bytes(t):
+  """The bytes of an XLA tensor on its fullest device, from its sharding: a tiled
+  tensor holds one tile per device (ceil of each dimension over its tiles), a
+  replicated or unsharded one the whole tensor."""
+  import re
+
+  whole = t.numel() * t.element_size()
+  if not t.is_xla:
+    return whole
+  spec = _xlac()._get_xla_sharding_spec(t)
+  m = re.search(r"devices=\[([0-9,]+)\]", spec)
+  if not m:
+    return whole
+  tiles = [int(x) for x in m.group(1).split(",")]
+  if "last_tile_dim_replicate" in spec or len(tiles) > t.dim():
+    tiles = tiles[: t.dim()]
+  held = t.element_size()
+  for size, n in zip(t.shape, tiles + [1] * (t.dim() - len(tiles))):
+    held *= -(-size // n)
+  return held
+
+
 def sharding_spec(t):
   """The sharding of an XLA tensor as text ("" for a CPU tensor)."""
   if not t.is_xla:

@@ -3,6 +3,7 @@
 import torch
 
 from xladist import runtime as _runtime
+from xladist import sharded_state, sharding_options
 from xladist._global_view import check_axis as _check_axis
 from xladist._global_view import concat_stacked as _concat_stacked
 from xladist._step.engine import StepEngine
@@ -40,6 +41,23 @@ class SPMDExtended(StrategyExtended):
     self._engine = self._engine_class(self)
     self._iota = None
     self._device_iota_global = None
+
+  @property
+  def experimental_sharding(self):
+    """The strategy's ShardingOptions (what it shards over its replicas), or None."""
+    return self._store.sharding
+
+  def experimental_state_bytes(self):
+    """{"parameters", "gradients", "optimizer_state"}: the bytes of this strategy's
+    training state that its fullest device holds now, read from the runtime's
+    placement of each tensor (sharded or not). "gradients" counts the `.grad`
+    tensors held (a step that ran `optimizer.step()` releases them);
+    "optimizer_state" includes the step counters. Runs the pending work first."""
+    store = self._store
+    store.place_pending()
+    _runtime.sync()
+    params = [t for m in store.modules() for t in m._parameters.values() if t is not None]
+    return sharded_state.state_bytes(params, list(store.optimizers()))
 
   # -- hooks ------------------------------------------------------------------------
   def _enter_scope(self):
@@ -220,7 +238,14 @@ class MirroredStrategy(Strategy):
       `communication_options` is not a CommunicationOptions.
   """
 
-  def __init__(self, devices=None, cross_device_ops=None, communication_options=None):
+  def __init__(
+    self,
+    devices=None,
+    cross_device_ops=None,
+    communication_options=None,
+    experimental_sharding=None,
+  ):
+    sharding_options.check(experimental_sharding, "MirroredStrategy")
     _runtime.initialize()
     _check_devices(devices, "MirroredStrategy")
     if communication_options is not None and not isinstance(
@@ -232,6 +257,7 @@ class MirroredStrategy(Strategy):
         f"{type(communication_options).__name__}."
       )
     super().__init__(SPMDExtended(self, cross_device_ops, communication_options))
+    self.extended._store.sharding = experimental_sharding
 
 
 def _check_devices(devices, api):

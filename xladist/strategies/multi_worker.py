@@ -20,6 +20,7 @@ feeds only its own replicas (host h: replicas [h*R/H, (h+1)*R/H)), with
 import torch
 
 from xladist import runtime as _runtime
+from xladist import sharding_options
 from xladist.cluster_resolver import _multihost
 from xladist.communication_options import CommunicationOptions
 from xladist.input import dataset as input_dataset
@@ -243,7 +244,8 @@ class MultiWorkerMirroredStrategy(Strategy):
       started before this strategy).
   """
 
-  def __init__(self, cluster_resolver=None, communication_options=None):
+  def __init__(self, cluster_resolver=None, communication_options=None, experimental_sharding=None):
+    sharding_options.check(experimental_sharding, _API)
     if communication_options is not None and not isinstance(
       communication_options, CommunicationOptions
     ):
@@ -259,3 +261,4 @@ class MultiWorkerMirroredStrategy(Strategy):
     extended = MultiWorkerExtended(self, cluster, cluster_resolver, communication_options)
     extended._check_local_devices()
     super().__init__(extended)
+    extended._store.sharding = experimental_sharding

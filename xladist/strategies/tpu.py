@@ -14,7 +14,7 @@ import math
 import numpy as np
 import torch
 
-from xladist import _logical, context
+from xladist import _logical, context, sharding_options
 from xladist import cluster_resolver as resolvers
 from xladist import runtime as _runtime
 from xladist.cluster_resolver import _multihost
@@ -171,7 +171,10 @@ class TPUStrategy(Strategy):
     TypeError: an argument of the wrong type.
   """
 
-  def __init__(self, tpu_cluster_resolver=None, experimental_device_assignment=None):
+  def __init__(
+    self, tpu_cluster_resolver=None, experimental_device_assignment=None, experimental_sharding=None
+  ):
+    sharding_options.check(experimental_sharding, "TPUStrategy")
     if tpu_cluster_resolver is None:
       # On a TPU VM, its environment; elsewhere (XLA:CPU, development) this one
       # process and its devices.
@@ -200,6 +203,7 @@ class TPUStrategy(Strategy):
     extended = TPUExtended(self, cluster, tpu_cluster_resolver, assignment)
     extended._check_local_devices()
     super().__init__(extended)
+    extended._store.sharding = experimental_sharding
 
   # -- logical devices ---------------------------------------------------------------
   def _core_axis(self, api):

@@ -1,0 +1,354 @@
+"""Sharded training state (ZeRO 1-3): where each replica's 1/N lives, and how a step uses it.
+
+A tensor that a strategy's `ShardingOptions` shards is kept between steps as
+its *rows*: the tensor flattened, padded with zeros to N*k elements and viewed
+as (N, k), split over the replica axis (row r on replica r's device), the
+layout of `ReplicaCopies` and of PerReplica values. Any shape shards evenly;
+entering a step gives each replica its row (k,) with no collective.
+
+Inside a traced step (docs/architecture.md, "Sharded state"):
+
+* optimizer state (every level): `optimizer.step()` runs on each replica's
+  rows. Before it, a sharded parameter's `.data` and `.grad` become the rows
+  of its value and of its aggregated gradient (`ShardedStep.to_shards`); the
+  optimizer makes its state from them, so the state is rows too; after it,
+  the new rows are gathered into the full parameter (`from_shards`) under
+  "optimizer_state" and "gradients", or kept as they are under "parameters".
+* gradients ("gradients", "parameters"): the aggregated gradient is
+  reduce-scattered: each replica keeps the rows of its share.
+* parameters ("parameters"): the parameter itself is rows between steps; a
+  step gathers the rows of every sharded parameter when it begins (one packed
+  collective per dtype) and the full copies are temporaries of the program.
+
+`state_dict()` of a module or an optimizer returns whole tensors, and
+`load_state_dict` takes whole tensors (`watch_module`, `watch_optimizer`).
+"""
+
+import math
+
+import torch
+
+from xladist import collectives
+from xladist import runtime as _runtime
+
+_LAYOUT = "_xladist_rows"  # attribute of a sharded parameter: its Layout
+
+
+class Layout:
+  """How one parameter (and the optimizer state made from it) is split.
+
+  `shape`/`numel`: the full tensor's; `n`: the replicas; `k`: elements per
+  row (ceil(numel / n)); `params`: True when the parameter itself is kept as
+  rows between steps ("parameters"), False when only its optimizer state is.
+  """
+
+  __slots__ = ("shape", "numel", "n", "k", "params")
+
+  def __init__(self, shape, n, params):
+    self.shape = torch.Size(shape)
+    self.numel = math.prod(self.shape)
+    self.n = n
+    self.k = -(-self.numel // n)
+    self.params = params
+
+  def to_rows(self, full):
+    """(n, k) rows of a full tensor (any device; zeros pad the last row)."""
+    flat = full.reshape(-1)
+    pad = self.n * self.k - self.numel
+    if pad:
+      flat = torch.cat([flat, flat.new_zeros(pad)])
+    return flat.view(self.n, self.k)
+
+  def from_rows(self, rows):
+    """The full tensor of (n, k) rows."""
+    return rows.reshape(-1)[: self.numel].view(self.shape)
+
+  def own_rows(self, full_local, replica_id):
+    """This replica's row (k,) of a full tensor that every replica holds (in a step)."""
+    return collectives.select_own(self.to_rows(full_local), replica_id)
+
+  def local_row(self, local, replica_id):
+    """A local view entered from a global tensor -> this replica's row (k,):
+    rows enter as (1, k); a full tensor (state loaded as whole tensors) is cut."""
+    if tuple(local.shape) == (1, self.k) and self.shape != local.shape:
+      return local.squeeze(0)
+    return self.own_rows(local, replica_id)
+
+  def is_rows(self, t):
+    return tuple(t.shape) == (self.n, self.k) and (self.shape != t.shape or self.n == 1)
+
+
+def layout_of(t):
+  """The Layout of a sharded parameter, else None."""
+  return getattr(t, _LAYOUT, None)
+
+
+def set_layout(t, layout):
+  setattr(t, _LAYOUT, layout)
+
+
+def choose(t, options, num_replicas):
+  """The Layout a new variable gets under `options` (None: it stays mirrored).
+
+  Parameters only: buffers (batch-norm statistics) stay mirrored; a tensor below
+  `min_shard_bytes`, a scalar and a strategy of one replica never shard.
+  """
+  if options is None or num_replicas < 2 or not isinstance(t, torch.nn.Parameter):
+    return None
+  if not options.splits(t):
+    return None
+  return Layout(t.shape, num_replicas, options.shards("parameters"))
+
+
+def place_rows(t, layout):
+  """The rows of `t` (a host or device tensor), split over the replicas."""
+  rows = layout.to_rows(t.detach())
+  if rows.device.type == "cpu":
+    return _runtime.place_split([rows.contiguous()])[0]
+  return _runtime.place_split(rows)
+
+
+def to_global_rows(local_row, layout):
+  """Leaves the region: each replica's row (k,) -> the (n, k) global rows."""
+  return _runtime.to_global(
+    local_row.unsqueeze(0), _runtime.sharding(2, layout.n), torch.Size((layout.n, layout.k))
+  )
+
+
+_GRADS = "_xladist_kept_grads"  # a "parameters" variable's unconsumed gradients
+
+
+def keep_grads(t, local_grad, num_replicas):
+  """Gradients of a "parameters" variable that no optimizer consumed in the step
+  (accumulated over several `run` calls): each replica's partial sum stays its
+  own, in a (n, *shape) tensor split over the replicas, until a step enters it
+  again; `local_grad` None drops it."""
+  if local_grad is None:
+    if hasattr(t, _GRADS):
+      delattr(t, _GRADS)
+    return
+  shape = (num_replicas,) + tuple(local_grad.shape)
+  stacked = _runtime.to_global(
+    local_grad.unsqueeze(0), _runtime.sharding(len(shape), num_replicas), torch.Size(shape)
+  )
+  setattr(t, _GRADS, stacked)
+
+
+def kept_grads(t):
+  return getattr(t, _GRADS, None)
+
+
+def gather(rows_list, layouts, region):
+  """Full tensors of each replica's rows (k,): one packed all-gather per dtype."""
+  stacked = collectives.gather_stacked_many(
+    [r.detach() for r in rows_list], region.replica_id, region.num_replicas
+  )
+  return [layout.from_rows(s) for s, layout in zip(stacked, layouts)]
+
+
+class ShardedStep:
+  """The sharded parameters of one traced step (`StepWrites.sharded`)."""
+
+  __slots__ = ("region", "rows", "full_ids", "dirty", "_gathered", "_grads", "stepping")
+
+  def __init__(self, region):
+    self.region = region
+    self.rows = {}  # id(param) -> its current row (k,) ("parameters")
+    self.full_ids = {}  # id(param) -> value id of the full copy it holds
+    self.dirty = set()  # ids of params whose rows the step changed
+    self._gathered = []
+    self._grads = {}  # id(param) -> its full aggregated gradient, during optimizer.step()
+    self.stepping = {}  # id(optimizer) -> the parameters `to_shards` changed for it
+
+  # -- "parameters": rows on entry, full copies while the step runs ---------------------
+  def enter(self, t, local, layout):
+    """`local`: the entered view of the parameter's global tensor."""
+    self.rows[id(t)] = layout.local_row(local, self.region.replica_id)
+    self._gathered.append(t)
+
+  def gather_entered(self):
+    """Every parameter entered as rows gets its full value (packed gathers)."""
+    todo, self._gathered = self._gathered, []
+    self._gather(todo)
+
+  def _gather(self, params):
+    if not params:
+      return
+    full = gather([self.rows[id(p)] for p in params], [layout_of(p) for p in params], self.region)
+    for p, value in zip(params, full):
+      p.data = value
+      self.full_ids[id(p)] = _runtime.value_id(p)
+
+  def regather(self, module):
+    """Before a module's forward in the step: its parameters left as rows by
+    `optimizer.step()` get their full value again."""
+    todo = [
+      p
+      for p in module._parameters.values()
+      if p is not None and id(p) in self.rows and tuple(p.shape) != tuple(layout_of(p).shape)
+    ]
+    self._gather(todo)
+
+  def exit_value(self, t, data, layout):
+    """The global value a "parameters" variable leaves with (`data`: what it entered from)."""
+    vid = _runtime.value_id(t)
+    if vid == self.full_ids.get(id(t)):
+      if id(t) not in self.dirty:
+        return data
+      row = self.rows[id(t)]
+    elif tuple(t.shape) == (layout.k,):
+      row = t.data
+    else:  # written as a whole by the step's own code
+      row = layout.own_rows(t.data, self.region.replica_id)
+    return to_global_rows(row, layout)
+
+  # -- optimizer.step() on each replica's rows ---------------------------------------------
+  def to_shards(self, params):
+    """Each sharded parameter's `.data` and `.grad` become their rows (before
+    `optimizer.step()`); the gradients are already aggregated (reduce-scattered
+    by slicing the all-reduced value). Returns the parameters it changed."""
+    rid = self.region.replica_id
+    done = []
+    for p in params:
+      layout = layout_of(p)
+      if layout is None:
+        continue
+      grad = p.grad
+      if layout.params and _runtime.value_id(p) == self.full_ids.get(id(p)):
+        row = self.rows[id(p)]
+      elif tuple(p.shape) == (layout.k,) and layout.shape != p.shape:
+        row = p.data
+      else:
+        row = layout.own_rows(p.data, rid)
+      g = grad if tuple(grad.shape) == (layout.k,) else layout.own_rows(grad, rid)
+      self._grads[id(p)] = grad
+      p.grad = None
+      p.data = row
+      p.grad = g
+      done.append(p)
+    return done
+
+  def from_shards(self, params):
+    """After `optimizer.step()`: "parameters" keeps the new rows (gathered again
+    by the next forward, `regather`); the other levels gather the full values."""
+    mirrored, grad_of = [], {}
+    for p in params:
+      layout = layout_of(p)
+      grad = self._grads.pop(id(p))
+      if layout.params:
+        self.rows[id(p)] = p.data
+        self.dirty.add(id(p))
+      else:
+        self.rows[id(p)] = p.data
+        grad_of[id(p)] = grad
+        mirrored.append(p)
+    for p in mirrored:
+      p.grad = None
+    self._gather(mirrored)
+    for p in mirrored:
+      del self.rows[id(p)]
+      p.grad = grad_of[id(p)]
+
+
+def refuse_optimizer(optimizer):
+  """Optimizers whose update needs whole tensors cannot run on rows."""
+  names = {k.__name__ for k in type(optimizer).__mro__}
+  for name in ("Adafactor", "Muon", "LBFGS"):
+    if name in names:
+      raise TypeError(
+        f"optimizer.step() in strategy.run: torch.optim.{name} needs whole tensors "
+        "(its update is not elementwise), and this strategy shards the optimizer state "
+        "(experimental_sharding=ShardingOptions(...)). Use an elementwise optimizer "
+        "(AdamW, Adam, SGD, ...), or a strategy without experimental_sharding."
+      )
+
+
+# -- state_dict / load_state_dict: whole tensors -----------------------------------------------
+def _module_state_dict_hook(module, state_dict, prefix, local_metadata):
+  for name, p in module._parameters.items():
+    layout = layout_of(p) if p is not None else None
+    key = prefix + name
+    if layout is not None and layout.params and key in state_dict and layout.is_rows(p):
+      state_dict[key] = layout.from_rows(state_dict[key])
+  return state_dict
+
+
+def _module_load_pre_hook(module, state_dict, prefix, *args):
+  for name, p in module._parameters.items():
+    layout = layout_of(p) if p is not None else None
+    key = prefix + name
+    if layout is None or not layout.params or key not in state_dict:
+      continue
+    value = state_dict[key]
+    if tuple(value.shape) == tuple(layout.shape) and layout.is_rows(p):
+      with torch.no_grad():
+        p.data = place_rows(value.to(p.dtype), layout)
+      state_dict[key] = p.data  # copy_ of a tensor to itself does nothing
+
+
+def watch_module(module):
+  """A module with parameters kept as rows: whole tensors in and out of its state dicts."""
+  if getattr(module, "_xladist_rows_hooks", False):
+    return
+  module._register_state_dict_hook(_module_state_dict_hook)
+  module._register_load_state_dict_pre_hook(_module_load_pre_hook, with_module=True)
+  module._xladist_rows_hooks = True
+
+
+def _params_in_order(optimizer):
+  return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _optimizer_state_dict_hook(optimizer, state_dict):
+  for index, p in enumerate(_params_in_order(optimizer)):
+    layout = layout_of(p)
+    state = state_dict["state"].get(index)
+    if layout is None or state is None:
+      continue
+    # torch packs the live per-parameter dicts: the whole tensors go in a copy.
+    state = state_dict["state"][index] = dict(state)
+    for key, v in list(state.items()):
+      if isinstance(v, torch.Tensor) and v.dim() > 0 and layout.is_rows(v):
+        state[key] = layout.from_rows(v)
+  return state_dict
+
+
+def _optimizer_load_post_hook(optimizer):
+  for p in _params_in_order(optimizer):
+    layout = layout_of(p)
+    state = optimizer.state.get(p)
+    if layout is None or not state:
+      continue
+    for key, v in list(state.items()):
+      if isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) == tuple(layout.shape):
+        state[key] = place_rows(v, layout)
+
+
+def watch_optimizer(optimizer):
+  """An optimizer of a sharding strategy: whole tensors in and out of its state dicts."""
+  if getattr(optimizer, "_xladist_rows_hooks", False):
+    return
+  optimizer.register_state_dict_post_hook(_optimizer_state_dict_hook)
+  optimizer.register_load_state_dict_post_hook(_optimizer_load_post_hook)
+  optimizer._xladist_rows_hooks = True
+
+
+# -- what each device holds ----------------------------------------------------------------------
+def state_bytes(params, optimizers):
+  """{"parameters", "gradients", "optimizer_state"}: bytes on the fullest device."""
+  held = _runtime.held_bytes
+  seen = set()
+  out = {"parameters": 0, "gradients": 0, "optimizer_state": 0}
+  for p in params:
+    if id(p) in seen:
+      continue
+    seen.add(id(p))
+    out["parameters"] += held(p)
+    if p.grad is not None:
+      out["gradients"] += held(p.grad)
+  for optimizer in optimizers:
+    for state in optimizer.state.values():
+      for v in state.values():
+        if isinstance(v, torch.Tensor):
+          out["optimizer_state"] += held(v) if _runtime.is_device_tensor(v) else v.nbytes
+  return out
