@@ -83,6 +83,14 @@ def layout_of(t):
   return getattr(t, _LAYOUT, None)
 
 
+def full_shape(t):
+  """The shape of a tensor's whole value (a parameter kept as rows: its full shape)."""
+  layout = layout_of(t)
+  if layout is not None and layout.params and layout.is_rows(t):
+    return tuple(layout.shape)
+  return tuple(t.shape)
+
+
 def set_layout(t, layout):
   setattr(t, _LAYOUT, layout)
 
@@ -95,6 +103,8 @@ def choose(t, options, num_replicas):
   """
   if options is None or num_replicas < 2 or not isinstance(t, torch.nn.Parameter):
     return None
+  if layout_of(t) is not None:  # a tied weight, met again in another module
+    return layout_of(t)
   if not options.splits(t):
     return None
   return Layout(t.shape, num_replicas, options.shards("parameters"))
@@ -136,6 +146,26 @@ def keep_grads(t, local_grad, num_replicas):
 
 def kept_grads(t):
   return getattr(t, _GRADS, None)
+
+
+def grad_between_steps(t):
+  """Where a variable's gradient lives between steps (replay's GRAD slot): its
+  `.grad`, or the kept gradients of a parameter kept as rows."""
+  layout = layout_of(t)
+  if layout is not None and layout.params:
+    return getattr(t, _GRADS, None)
+  return t.grad
+
+
+def set_grad_between_steps(t, value):
+  layout = layout_of(t)
+  if layout is not None and layout.params:
+    if value is None:
+      keep_grads(t, None, layout.n)
+    else:
+      setattr(t, _GRADS, value)
+  else:
+    t.grad = value
 
 
 def gather(rows_list, layouts, region):
@@ -286,12 +316,28 @@ def _module_load_pre_hook(module, state_dict, prefix, *args):
       state_dict[key] = p.data  # copy_ of a tensor to itself does nothing
 
 
+def _refuse_forward_outside_step(module, args):
+  for name, p in module._parameters.items():
+    layout = layout_of(p) if p is not None else None
+    if layout is not None and layout.params and layout.is_rows(p):
+      raise RuntimeError(
+        f"{type(module).__name__}.forward outside strategy.run: its parameter {name!r} is "
+        "sharded over the replicas (experimental_sharding=ShardingOptions(shard="
+        "'parameters')): between steps each device holds only its rows, shape "
+        f"{tuple(p.shape)} for the full {tuple(layout.shape)}. Run the model inside "
+        "strategy.run (an evaluation step), or read whole tensors with "
+        "model.state_dict() (e.g. load them into a copy of the model on the CPU)."
+      )
+
+
 def watch_module(module):
-  """A module with parameters kept as rows: whole tensors in and out of its state dicts."""
+  """A module with parameters kept as rows: whole tensors in and out of its
+  state dicts; its forward outside a step is refused with an error that says why."""
   if getattr(module, "_xladist_rows_hooks", False):
     return
   module._register_state_dict_hook(_module_state_dict_hook)
   module._register_load_state_dict_pre_hook(_module_load_pre_hook, with_module=True)
+  module.register_forward_pre_hook(_refuse_forward_outside_step)
   module._xladist_rows_hooks = True
 
 

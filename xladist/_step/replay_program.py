@@ -332,7 +332,7 @@ def write_back(prog, results, n):
     else:
       rets[target[1]] = results[j]
   for i in prog.cleared:
-    slots[i].tensor.grad = None
+    slots[i].set(None)
   for t in prog.restamp:
     copies_of(t).restamp(t)
   leaves = []

@@ -15,6 +15,7 @@ import torch
 
 from xladist import runtime as _runtime
 from xladist.replica_copies import copies_of
+from xladist.sharded_state import grad_between_steps, set_grad_between_steps
 from xladist.values import DistributedValues
 
 PLAIN = (bool, int, float, str, bytes, type(None))
@@ -45,7 +46,7 @@ class _Slot:
     if kind == VAR:
       return self.tensor
     if kind == GRAD:
-      return self.tensor.grad
+      return grad_between_steps(self.tensor)
     if kind == COPIES:
       copies = copies_of(self.tensor)
       if copies is None:
@@ -64,7 +65,7 @@ class _Slot:
     if kind == VAR:
       self.tensor.data = value
     elif kind == GRAD:
-      self.tensor.grad = value
+      set_grad_between_steps(self.tensor, value)
     elif kind == COPIES:
       copies_of(self.tensor).stacked = value
     elif kind == OPT:
@@ -85,7 +86,7 @@ def state_slots(store):
       continue
     seen.add(id(t))
     out.append(_Slot(VAR, t))
-    if t.grad is not None:
+    if grad_between_steps(t) is not None:
       out.append(_Slot(GRAD, t))
     if copies_of(t) is not None:
       out.append(_Slot(COPIES, t, describe=describe))

@@ -9,6 +9,7 @@ from xladist.checkpoint.file_io import api_name, check_plain
 from xladist.input import order
 from xladist.input.dataset import DistributedDataset, DistributedIterator
 from xladist.replica_copies import copies_of
+from xladist.sharded_state import full_shape
 
 MODULE, STATEFUL, ITERATOR, TENSOR, VALUE = (
   "module",
@@ -171,9 +172,9 @@ def check_optimizer(where, optimizer, value):
   for key, p in params:
     state = value["state"].get(key, {})
     for slot, t in state.items():
-      if isinstance(t, torch.Tensor) and t.dim() > 0 and tuple(t.shape) != tuple(p.shape):
+      if isinstance(t, torch.Tensor) and t.dim() > 0 and tuple(t.shape) != full_shape(p):
         raise ValueError(
           f"{where}: the state {slot!r} of a parameter has shape {tuple(t.shape)} in "
-          f"the file, but the {name}'s parameter has shape {tuple(p.shape)}; "
+          f"the file, but the {name}'s parameter has shape {full_shape(p)}; "
           "restore into an optimizer of the model that was saved."
         )
