@@ -294,12 +294,37 @@ def refuse_optimizer(optimizer):
 
 
 # -- state_dict / load_state_dict: whole tensors -----------------------------------------------
+_ROWS_OF = "_xladist_rows_of"  # attribute of a whole tensor made from rows: (rows, layout)
+
+
+def whole_of(rows, layout):
+  """The whole tensor of `rows`, remembering them (a sharded checkpoint writes
+  the rows themselves, each device its own: `rows_of`)."""
+  whole = layout.from_rows(rows)
+  setattr(whole, _ROWS_OF, (rows, layout))
+  return whole
+
+
+def detach(t):
+  """`t.detach()`, still known as a whole view of its rows (`rows_of`)."""
+  out = t.detach()
+  found = rows_of(t)
+  if found is not None:
+    setattr(out, _ROWS_OF, found)
+  return out
+
+
+def rows_of(t):
+  """(rows, Layout) when `t` is a state dict's whole view of rows, else None."""
+  return getattr(t, _ROWS_OF, None)
+
+
 def _module_state_dict_hook(module, state_dict, prefix, local_metadata):
   for name, p in module._parameters.items():
     layout = layout_of(p) if p is not None else None
     key = prefix + name
     if layout is not None and layout.params and key in state_dict and layout.is_rows(p):
-      state_dict[key] = layout.from_rows(state_dict[key])
+      state_dict[key] = whole_of(state_dict[key], layout)
   return state_dict
 
 
@@ -355,7 +380,7 @@ def _optimizer_state_dict_hook(optimizer, state_dict):
     state = state_dict["state"][index] = dict(state)
     for key, v in list(state.items()):
       if isinstance(v, torch.Tensor) and v.dim() > 0 and layout.is_rows(v):
-        state[key] = layout.from_rows(v)
+        state[key] = whole_of(v, layout)
   return state_dict
 
 

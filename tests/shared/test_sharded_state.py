@@ -23,137 +23,40 @@ the whole. Run by `make test` on torch_xla and by `make test-jax` on jax.
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from _sharding import (
+  LEVELS,
+  VOCAB,
+  B,
+  N,
+  T,
+  adamw_loop,
+  assert_equal_by_scale,
+  continue_adamw,
+  make_adamw,
+  make_data,
+  make_model,
+  make_strategy,
+  split,
+  state_tensors,
+)
 
 import xladist as xd
 from xladist import runtime as _runtime
 from xladist.experimental import ShardingOptions
 
-N, B, T, VOCAB = 4, 4, 5, 11
-LEVELS = ("optimizer_state", "gradients", "parameters")
-
-
-class _Model(nn.Module):
-  """Tokens -> embedding (tied to the output head) -> Linear 6->33 (uneven),
-  BatchNorm, a frozen Linear 33->33, Linear 33->6 -> head (the embedding's weight)."""
-
-  def __init__(self, bn=True):
-    super().__init__()
-    self.emb = nn.Embedding(VOCAB, 6)
-    self.body = nn.Linear(6, 33, bias=not bn)  # a bias before batch norm has no gradient
-    self.bn = nn.BatchNorm1d(33) if bn else nn.Identity()
-    self.frozen = nn.Linear(33, 33)
-    self.frozen.requires_grad_(False)
-    self.out = nn.Linear(33, 6)
-    self.head = nn.Linear(6, VOCAB, bias=False)
-    self.head.weight = self.emb.weight
-
-  def forward(self, tokens):
-    x = self.emb(tokens).mean(1)
-    h = torch.tanh(self.bn(self.body(x)))
-    h = h + 0.1 * self.frozen(h)
-    return self.head(self.out(h))
-
-
-def _model(bn=True):
-  torch.manual_seed(0)
-  return _Model(bn)
-
-
-def _adamw(model):
-  decay = [model.body.weight, model.out.weight, model.emb.weight]
-  rest = [model.out.bias, model.bn.weight, model.bn.bias]
-  return torch.optim.AdamW(
-    [{"params": decay, "weight_decay": 0.1}, {"params": rest, "lr": 3e-3, "weight_decay": 0.0}],
-    lr=1e-2,
-  )
-
-
-def _data(steps):
-  g = torch.Generator().manual_seed(1)
-  return [
-    (
-      torch.randint(0, VOCAB, (N * B, T), generator=g),
-      torch.randint(0, VOCAB, (N * B,), generator=g),
-    )
-    for _ in range(steps)
-  ]
-
-
-def _split(strategy, t):
-  return strategy.experimental_distribute_values_from_function(
-    lambda ctx: t[ctx.replica_id_in_sync_group * B : (ctx.replica_id_in_sync_group + 1) * B]
-  )
-
-
-def _strategy(level):
-  sharding = None if level is None else ShardingOptions(shard=level, min_shard_bytes=0)
-  strategy = xd.MirroredStrategy(experimental_sharding=sharding)
-  assert strategy.num_replicas_in_sync == N
-  return strategy
-
-
-def _tensors(model, opt):
-  """The model's and the optimizer's state dicts, whole tensors on the host."""
-  out = {f"model.{k}": v.detach().cpu() for k, v in model.state_dict().items()}
-  for i, state in opt.state_dict()["state"].items():
-    for k, v in state.items():
-      if torch.is_tensor(v):
-        out[f"opt.{i}.{k}"] = v.detach().cpu()
-  return out
-
-
-def _assert_equal_by_scale(got, want, tol=1e-5):
-  assert sorted(got) == sorted(want)
-  for k in want:
-    assert got[k].shape == want[k].shape, (k, got[k].shape, want[k].shape)
-    scale = max(want[k].double().abs().max().item(), 1e-6)
-    diff = (got[k].double() - want[k].double()).abs().max().item()
-    assert diff <= tol * scale, f"{k}: {diff:.3g} > {tol} x {scale:.3g}"
-
-
-def _adamw_loop(level, steps=20, strategy=None, state=None):
-  """AdamW (two groups) + cosine schedule + clip_grad_norm_, `steps` steps.
-  Returns the losses, the final tensors, the replay counts and the strategy."""
-  strategy = strategy or _strategy(level)
-  with strategy.scope():
-    model = _model()
-    opt = _adamw(model)
-  sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=20)
-  if state is not None:
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["opt"])
-    sched.load_state_dict(state["sched"])
-
-  def step(tokens, targets):
-    loss = F.cross_entropy(model(tokens), targets)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-    opt.step()
-    opt.zero_grad()
-    return loss
-
-  losses = []
-  for x, y in _data(steps):
-    out = strategy.run(step, args=(_split(strategy, x), _split(strategy, y)))
-    sched.step()
-    losses.append(strategy.reduce("mean", out, axis=None).cpu())
-  counts = dict(strategy.extended.experimental_replay_counts)
-  return torch.stack(losses), _tensors(model, opt), counts, (model, opt, sched, strategy)
-
 
 @pytest.fixture(scope="module")
 def mirrored_adamw():
-  return _adamw_loop(None)
+  return adamw_loop(None)
 
 
 @pytest.mark.parametrize("level", LEVELS)
 def test_adamw_cosine_clipping_trains_as_mirrored(level, mirrored_adamw):
   want_losses, want, _, _ = mirrored_adamw
-  losses, got, counts, _ = _adamw_loop(level)
+  losses, got, counts, _ = adamw_loop(level)
   torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-6)
-  _assert_equal_by_scale(got, want)
+  assert_equal_by_scale(got, want)
   # Replayed as the unsharded loop is: the first step makes the optimizer's state,
   # two captures agree, the rest replay.
   assert counts["traced"] + counts["replayed"] == 20
@@ -166,9 +69,9 @@ def _sgd_accumulation_loop(level, grouped):
   experimental_run_steps of 4 steps (`grouped`), or 12 strategy.run calls.
   Without batch norm: over micro-batches of 2 rows it is chaotic in float32
   (differences of 1e-7 between runs of the same program grow to 1e-2)."""
-  strategy = _strategy(level)
+  strategy = make_strategy(level)
   with strategy.scope():
-    model = _model(bn=False)
+    model = make_model(bn=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True)
 
   def step(tokens, targets):
@@ -179,7 +82,7 @@ def _sgd_accumulation_loop(level, grouped):
     opt.zero_grad()
     return loss
 
-  elements = [(_split(strategy, x), _split(strategy, y)) for x, y in _data(12)]
+  elements = [(split(strategy, x), split(strategy, y)) for x, y in make_data(12)]
   if grouped:
     it = iter(elements)
     for _ in range(3):
@@ -187,13 +90,13 @@ def _sgd_accumulation_loop(level, grouped):
   else:
     for x, y in elements:
       strategy.run(step, args=(x, y))
-  return _tensors(model, opt)
+  return state_tensors(model, opt)
 
 
 @pytest.mark.parametrize("level", LEVELS)
 def test_sgd_momentum_accumulating_under_run_steps_trains_as_mirrored(level):
   want = _sgd_accumulation_loop(None, grouped=True)
-  _assert_equal_by_scale(_sgd_accumulation_loop(level, grouped=True), want)
+  assert_equal_by_scale(_sgd_accumulation_loop(level, grouped=True), want)
 
 
 @pytest.mark.parametrize("level", ["gradients", "parameters"])
@@ -203,9 +106,9 @@ def test_gradients_kept_between_runs_accumulate_as_mirrored(level):
   optimizer.step() aggregates the sum, as without sharding."""
 
   def loop(lvl):
-    strategy = _strategy(lvl)
+    strategy = make_strategy(lvl)
     with strategy.scope():
-      model = _model(bn=False)
+      model = make_model(bn=False)
       opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
     def accumulate(tokens, targets):
@@ -216,13 +119,13 @@ def test_gradients_kept_between_runs_accumulate_as_mirrored(level):
       opt.step()
       opt.zero_grad()
 
-    for i, (x, y) in enumerate(_data(8)):
+    for i, (x, y) in enumerate(make_data(8)):
       strategy.run(
-        accumulate if i % 2 == 0 else step, args=(_split(strategy, x), _split(strategy, y))
+        accumulate if i % 2 == 0 else step, args=(split(strategy, x), split(strategy, y))
       )
-    return _tensors(model, opt)
+    return state_tensors(model, opt)
 
-  _assert_equal_by_scale(loop(level), loop(None))
+  assert_equal_by_scale(loop(level), loop(None))
 
 
 def test_forward_after_the_update_in_the_same_step_sees_the_new_parameters():
@@ -231,9 +134,9 @@ def test_forward_after_the_update_in_the_same_step_sees_the_new_parameters():
   the update equals the unsharded one)."""
 
   def loop(level):
-    strategy = _strategy(level)
+    strategy = make_strategy(level)
     with strategy.scope():
-      model = _model()
+      model = make_model()
       opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def step(tokens, targets):
@@ -244,16 +147,16 @@ def test_forward_after_the_update_in_the_same_step_sees_the_new_parameters():
 
     out = [
       strategy.reduce(
-        "mean", strategy.run(step, args=(_split(strategy, x), _split(strategy, y))), axis=None
+        "mean", strategy.run(step, args=(split(strategy, x), split(strategy, y))), axis=None
       )
-      for x, y in _data(4)
+      for x, y in make_data(4)
     ]
-    return torch.stack([o.cpu() for o in out]), _tensors(model, opt)
+    return torch.stack([o.cpu() for o in out]), state_tensors(model, opt)
 
   want_losses, want = loop(None)
   losses, got = loop("parameters")
   torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-6)
-  _assert_equal_by_scale(got, want)
+  assert_equal_by_scale(got, want)
 
 
 def _numels(model):
@@ -275,7 +178,7 @@ def test_state_bytes_are_what_each_device_holds(level):
   """experimental_state_bytes(), from the runtime's placement, against the
   arithmetic of the layout: a sharded tensor of n elements holds ceil(n / 4)
   per device, a mirrored one n; the step counters are 4-byte host scalars."""
-  _, _, _, (model, opt, _, strategy) = _adamw_loop(level, steps=2)
+  _, _, _, (model, opt, _, strategy) = adamw_loop(level, steps=2)
   got = strategy.extended.experimental_state_bytes()
   sharded = lambda kind: level is not None and ShardingOptions(level).shards(kind)  # noqa: E731
   params = _numels(model)
@@ -295,7 +198,7 @@ def test_min_shard_bytes_keeps_small_tensors_mirrored():
     experimental_sharding=ShardingOptions("parameters", min_shard_bytes=256)
   )
   with strategy.scope():
-    model = _model()
+    model = make_model()
   full = {id(p): p.numel() * 4 for p in model.parameters()}
   got = {name: _runtime.held_bytes(p) for name, p in model.named_parameters()}
   for name, p in model.named_parameters():
@@ -307,7 +210,7 @@ def test_min_shard_bytes_keeps_small_tensors_mirrored():
 
 
 def test_state_dicts_are_whole_tensors():
-  _, _, _, (model, opt, _, _) = _adamw_loop("parameters", steps=2)
+  _, _, _, (model, opt, _, _) = adamw_loop("parameters", steps=2)
   sd = model.state_dict()
   assert tuple(sd["body.weight"].shape) == (33, 6)
   assert tuple(sd["head.weight"].shape) == (VOCAB, 6)
@@ -315,9 +218,9 @@ def test_state_dicts_are_whole_tensors():
 
 
 def test_model_outside_a_step_is_refused_under_parameters():
-  strategy = _strategy("parameters")
+  strategy = make_strategy("parameters")
   with strategy.scope():
-    model = _model()
+    model = make_model()
   with pytest.raises(
     RuntimeError, match=r"forward outside strategy.run.*sharded over the replicas"
   ):
@@ -325,18 +228,18 @@ def test_model_outside_a_step_is_refused_under_parameters():
 
 
 def test_an_optimizer_that_needs_whole_tensors_is_refused():
-  strategy = _strategy("optimizer_state")
+  strategy = make_strategy("optimizer_state")
   with strategy.scope():
-    model = _model()
+    model = make_model()
     opt = torch.optim.Adafactor(model.parameters(), lr=1e-2)
 
   def step(tokens, targets):
     F.cross_entropy(model(tokens), targets).backward()
     opt.step()
 
-  x, y = _data(1)[0]
+  x, y = make_data(1)[0]
   with pytest.raises(TypeError, match=r"Adafactor needs whole tensors.*experimental_sharding"):
-    strategy.run(step, args=(_split(strategy, x), _split(strategy, y)))
+    strategy.run(step, args=(split(strategy, x), split(strategy, y)))
 
 
 @pytest.mark.parametrize(
@@ -349,33 +252,16 @@ def test_checkpoint_moves_between_sharded_and_mirrored_runs(
   steps under the other: equal to the uninterrupted 20 (TF: sharded_variable_test
   saves with one partitioning and restores with another)."""
   want_losses, want, _, _ = mirrored_adamw
-  losses1, _, _, (model, opt, sched, _) = _adamw_loop(first, steps=10)
+  losses1, _, _, (model, opt, sched, _) = adamw_loop(first, steps=10)
   ckpt = xd.checkpoint.Checkpoint(model=model, optimizer=opt, scheduler=sched)
   path = ckpt.save(str(tmp_path / "ckpt"))
-  strategy = _strategy(second)
+  strategy = make_strategy(second)
   with strategy.scope():
-    model2 = _model()
-    opt2 = _adamw(model2)
+    model2 = make_model()
+    opt2 = make_adamw(model2)
   sched2 = torch.optim.lr_scheduler.CosineAnnealingLR(opt2, T_max=20)
   xd.checkpoint.Checkpoint(model=model2, optimizer=opt2, scheduler=sched2).restore(path)
   # The second half: the same data as steps 11-20 of the uninterrupted run.
-  losses2 = _continue(strategy, model2, opt2, sched2, _data(20)[10:])
+  losses2 = continue_adamw(strategy, model2, opt2, sched2, make_data(20)[10:])
   torch.testing.assert_close(torch.cat([losses1, losses2]), want_losses, rtol=1e-5, atol=1e-6)
-  _assert_equal_by_scale(_tensors(model2, opt2), want)
-
-
-def _continue(strategy, model, opt, sched, data):
-  def step(tokens, targets):
-    loss = F.cross_entropy(model(tokens), targets)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-    opt.step()
-    opt.zero_grad()
-    return loss
-
-  losses = []
-  for x, y in data:
-    out = strategy.run(step, args=(_split(strategy, x), _split(strategy, y)))
-    sched.step()
-    losses.append(strategy.reduce("mean", out, axis=None).cpu())
-  return torch.stack(losses)
+  assert_equal_by_scale(state_tensors(model2, opt2), want)

@@ -4,7 +4,7 @@ xladist/checkpoint/__init__.py); `read` returns a checkpoint's content."""
 
 import torch
 
-from xladist import context
+from xladist import context, sharded_state
 from xladist import runtime as _runtime
 from xladist.checkpoint import sharded as _sharded
 from xladist.checkpoint.file_io import (
@@ -256,7 +256,7 @@ class Checkpoint:
     api = api_name("save")
     target = local_path(path, api)
     if _options(options, api).sharded:
-      _sharded.save(target, self._state(api), rng_state(), api)
+      _sharded.save(target, _sharded.rows_for_saving(self._state(api)), rng_state(), api)
     else:
       content = self._content(api)
       if should_write():
@@ -318,7 +318,8 @@ class Checkpoint:
           f"but is restored into a {kind} ({type(obj).__name__}); restore it into an "
           "object of the kind that was saved."
         )
-      check_entry(where, name, kind, obj, entry["value"], entry.get("class"))
+      whole = _sharded.whole_layout(entry) if sharded else entry["value"]
+      check_entry(where, name, kind, obj, whole, entry.get("class"))
       checked.append((name, kind, obj, entry["value"]))
     rng = content["rng"]
     if sharded:  # read now, into new buffers: the objects are still untouched
@@ -328,7 +329,10 @@ class Checkpoint:
       }
       rng = _sharded.fresh_tensors(rng, {})
       values, rng = _sharded.load(where, content, targets, rng, api)
-      checked = [(name, kind, obj, values[name]) for name, kind, obj, _ in checked]
+      checked = [
+        (name, kind, obj, _sharded.rows_to_whole(saved[name], values[name]))
+        for name, kind, obj, _ in checked
+      ]
     # Everything was checked; apply in an order where what is cheapest to undo
     # comes last, and undo what was applied if a load_state_dict still fails.
     order = {MODULE: 0, TENSOR: 0, STATEFUL: 1, ITERATOR: 2, VALUE: 3}
@@ -400,6 +404,6 @@ def _module_state(module):
   for key, value in state.items():
     if isinstance(value, torch.Tensor):
       if id(value) not in detached:
-        detached[id(value)] = value.detach()
+        detached[id(value)] = sharded_state.detach(value)
       state[key] = detached[id(value)]
   return state

@@ -41,6 +41,7 @@ import warnings
 import torch
 
 from xladist import runtime as _runtime
+from xladist import sharded_state
 from xladist.checkpoint.file_io import (
   VERSION,
   digest,
@@ -447,6 +448,56 @@ def load(path, manifest, targets, rng_target, api):
   if xla:
     _runtime.sync(xla)  # the copies into the fresh XLA tensors, in one execution
   return values, state[RNG_KEY].value
+
+
+# -- state kept as rows (sharded_state.py) -----------------------------------------------
+
+
+def rows_for_saving(objects):
+  """Each device writes its own rows of a sharded tensor: a whole tensor that a
+  state dict made from rows (`sharded_state.rows_of`) is saved as the rows, (n,
+  k) split over the replicas, its whole shape recorded in the entry's "rows"
+  ({path: shape}); `whole_layout` and `rows_to_whole` undo it at a restore."""
+  for entry in objects.values():
+    shapes = {}
+
+    def to_rows(path, t, shapes=shapes):
+      found = sharded_state.rows_of(t)
+      if found is None:
+        return t
+      rows, layout = found
+      shapes[path] = tuple(layout.shape)
+      return rows
+
+    entry["value"] = map_tensors(to_rows, entry["value"], with_path=True)
+    if shapes:
+      entry["rows"] = shapes
+  return objects
+
+
+def whole_layout(entry):
+  """A manifest entry's layout with the whole shapes of the tensors saved as rows."""
+  shapes = entry.get("rows") or {}
+  return map_tensors(
+    lambda path, t: (
+      torch.empty(shapes[path], dtype=t.dtype, device="meta") if path in shapes else t
+    ),
+    entry["value"],
+    with_path=True,
+  )
+
+
+def rows_to_whole(entry, value):
+  """A value read from the checkpoint with its rows made whole again."""
+  shapes = entry.get("rows") or {}
+
+  def whole(path, t):
+    if path not in shapes:
+      return t
+    n, k = t.shape
+    return sharded_state.Layout(shapes[path], n, True).from_rows(t)
+
+  return map_tensors(whole, value, with_path=True)
 
 
 def fresh_tensors(layout, likes):
