@@ -431,13 +431,9 @@ class VariableStore:
       for key, v in list(state.items()):
         if not (isinstance(v, torch.Tensor) and _runtime.is_device_tensor(v)):
           continue
+        local = _runtime.to_local(_runtime.ensure_sharded(v))
         if layout is not None and v.dim() > 0:
-          if tuple(v.shape) != (layout.n, layout.k) or not _runtime.is_sharded(v):
-            # Loaded as a whole tensor (load_state_dict before the first step).
-            v = sharded_state.place_rows(v, layout)
-          local = layout.local_row(_runtime.to_local(v), step.region.replica_id)
-        else:
-          local = _runtime.to_local(_runtime.ensure_sharded(v))
+          local = layout.local_row(local, step.region.replica_id)
         state[key] = local
 
   def exit(self, step, to_global):

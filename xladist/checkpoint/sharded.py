@@ -495,7 +495,10 @@ def rows_to_whole(entry, value):
     if path not in shapes:
       return t
     n, k = t.shape
-    return sharded_state.Layout(shapes[path], n, True).from_rows(t)
+    # On the host: the object's load_state_dict cuts it into its own rows (any
+    # replica count), as it does with a whole tensor of the file format.
+    host = t.cpu() if _runtime.is_device_tensor(t) else t
+    return sharded_state.Layout(shapes[path], n, True).from_rows(host)
 
   return map_tensors(whole, value, with_path=True)
 
@@ -512,6 +515,8 @@ def fresh_tensors(layout, likes):
 
   def fresh(path, meta):
     like = likes.get(path)
+    if sharded_state.rows_of(like) is not None:
+      like = None  # a whole view computed from rows: no buffer of its own to read into
     if (
       isinstance(like, torch.Tensor)
       and _runtime.is_device_tensor(like)
