@@ -9,10 +9,14 @@ one replica and N partitions).
   per pack: by default one pack per dtype, so a nested structure of many small
   tensors costs few collectives; `pack_by_bytes` and `pack_into` are the other
   plans (CommunicationOptions.bytes_per_pack, NcclAllReduce(num_packs)).
-* `all_gather` has no all-gather lowering in torch_xla 2.9's SPMD bindings: each
-  replica places its value in its own row of a zero buffer (a select) and the
-  rows are summed with one all-reduce. x + 0 is exact for every value, inf and
-  NaN included (XLA:CPU flushes subnormals to zero, as in any computation).
+* `all_gather` is the runtime's (`spmd_all_gather`): jax's all-gather; torch_xla
+  2.9 has none in its SPMD bindings, so there each replica places its value in
+  its own row of a zero buffer (a select) and the rows are summed with one
+  all-reduce. x + 0 is exact for every value, inf and NaN included (XLA:CPU
+  flushes subnormals to zero, as in any computation).
+* `reduce_scatter` (sharded state, sharded_state.py): each replica's rows of
+  the sum, one reduce-scatter per dtype (torch_xla's `_xla_spmd_reduce_scatter`,
+  jax's `psum_scatter`).
 
 SUM and MEAN are differentiable (the gradient of a sum all-reduce is a sum
 all-reduce of the gradients), and so is all_gather.
@@ -159,14 +163,6 @@ def pack_into(tensors, num_packs):
   return packs
 
 
-def _one_hot_rows(local, replica_id, num_replicas):
-  """A (num_replicas, *local.shape) buffer with `local` in row replica_id, zeros elsewhere."""
-  rows = torch.arange(num_replicas, device=local.device, dtype=replica_id.dtype)
-  mask = (rows == replica_id).view((num_replicas,) + (1,) * local.dim())
-  expanded = local.unsqueeze(0).expand((num_replicas,) + tuple(local.shape))
-  return torch.where(mask, expanded, torch.zeros_like(expanded))
-
-
 class _GatherStacked(torch.autograd.Function):
   @staticmethod
   def forward(ctx, local, replica_id, num_replicas):
@@ -183,10 +179,7 @@ class _GatherStacked(torch.autograd.Function):
 
 def _gather_stacked(local, replica_id, num_replicas):
   src = local.to(torch.int32) if local.dtype == torch.bool else local
-  rows = _one_hot_rows(src, replica_id, num_replicas)
-  out = _runtime.spmd_all_reduce(
-    "sum", rows.reshape(-1), 1.0, _runtime.replica_groups(num_replicas)
-  ).view(rows.shape)
+  out = _runtime.spmd_all_gather(src, replica_id, _runtime.replica_groups(num_replicas))
   return out.bool() if local.dtype == torch.bool else out
 
 
@@ -221,3 +214,21 @@ def gather_stacked(local, replica_id, num_replicas):
 def select_own(stacked, replica_id):
   """Row `replica_id` of a (num_replicas, ...) tensor that every replica holds."""
   return stacked.index_select(0, replica_id.reshape(1).to(torch.int64)).squeeze(0)
+
+
+def reduce_scatter(op, rows, num_replicas):
+  """Row r of the SUM (or MEAN) over the replicas of each (num_replicas, k_i)
+  local tensor in `rows`, on replica r: one reduce-scatter per dtype (the rows
+  of one dtype side by side)."""
+  if op not in (ReduceOp.SUM, ReduceOp.MEAN):
+    raise ValueError(f"reduce_scatter: {op} is not SUM or MEAN")
+  scale = 1.0 / num_replicas if op is ReduceOp.MEAN else 1.0
+  groups = _runtime.replica_groups(num_replicas)
+  out = [None] * len(rows)
+  for indices in pack_by_dtype(rows):
+    group = [rows[i] for i in indices]
+    packed = group[0] if len(group) == 1 else torch.cat(group, dim=1)
+    reduced = _runtime.spmd_reduce_scatter(packed, scale, groups)
+    for i, piece in zip(indices, reduced.split([t.shape[1] for t in group])):
+      out[i] = piece
+  return out

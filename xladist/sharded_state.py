@@ -179,7 +179,16 @@ def gather(rows_list, layouts, region):
 class ShardedStep:
   """The sharded parameters of one traced step (`StepWrites.sharded`)."""
 
-  __slots__ = ("region", "rows", "full_ids", "dirty", "_gathered", "_grads", "stepping")
+  __slots__ = (
+    "region",
+    "rows",
+    "full_ids",
+    "dirty",
+    "_gathered",
+    "_grads",
+    "_grad_rows",
+    "stepping",
+  )
 
   def __init__(self, region):
     self.region = region
@@ -189,6 +198,7 @@ class ShardedStep:
     self._gathered = []
     self._grads = {}  # id(param) -> its full aggregated gradient, during optimizer.step()
     self.stepping = {}  # id(optimizer) -> the parameters `to_shards` changed for it
+    self._grad_rows = {}  # id(param) -> this replica's row of its reduce-scattered gradient
 
   # -- "parameters": rows on entry, full copies while the step runs ---------------------
   def enter(self, t, local, layout):
@@ -233,6 +243,24 @@ class ShardedStep:
     return to_global_rows(row, layout)
 
   # -- optimizer.step() on each replica's rows ---------------------------------------------
+  def reduce_scatter(self, params, op):
+    """Each replica's row of the aggregate (`op`: SUM, MEAN, or None: its own
+    gradient's row) of these parameters' gradients: one reduce-scatter per
+    dtype, with no whole aggregated gradient. Their `.grad` is then None until
+    `to_shards` sets the rows."""
+    params = [p for p in params if p.grad is not None]
+    if not params:
+      return
+    layouts = [layout_of(p) for p in params]
+    if op is None:
+      rows = [lay.own_rows(p.grad, self.region.replica_id) for p, lay in zip(params, layouts)]
+    else:
+      stacked = [lay.to_rows(p.grad) for p, lay in zip(params, layouts)]
+      rows = collectives.reduce_scatter(op, stacked, self.region.num_replicas)
+    for p, row in zip(params, rows):
+      self._grad_rows[id(p)] = row
+      p.grad = None
+
   def to_shards(self, params):
     """Each sharded parameter's `.data` and `.grad` become their rows (before
     `optimizer.step()`); the gradients are already aggregated (reduce-scattered
@@ -244,13 +272,19 @@ class ShardedStep:
       if layout is None:
         continue
       grad = p.grad
+      scattered = self._grad_rows.pop(id(p), None)
       if layout.params and _runtime.value_id(p) == self.full_ids.get(id(p)):
         row = self.rows[id(p)]
       elif tuple(p.shape) == (layout.k,) and layout.shape != p.shape:
         row = p.data
       else:
         row = layout.own_rows(p.data, rid)
-      g = grad if tuple(grad.shape) == (layout.k,) else layout.own_rows(grad, rid)
+      if scattered is not None:
+        g = scattered
+      elif tuple(grad.shape) == (layout.k,):
+        g = grad
+      else:
+        g = layout.own_rows(grad, rid)
       self._grads[id(p)] = grad
       p.grad = None
       p.data = row

@@ -1,5 +1,6 @@
 """The runtime contract's step region: `traced_step`, `to_local`, `to_global`,
-`spmd_all_reduce`, `no_execution` and `foreign_idioms`.
+`spmd_all_reduce`, `spmd_reduce_scatter`, `spmd_all_gather`, `no_execution` and
+`foreign_idioms` (and `held_bytes`, which reads a placement).
 
 Twice over: the operations called directly (a step body that enters a split
 and a replicated tensor, reduces across replicas and leaves, as the step
@@ -90,6 +91,41 @@ def test_a_host_read_in_a_traced_step_raises_host_read_in_step():
   assert "float(local.sum())" in message, message
   runtime.sync()
   runtime.wait()
+
+
+def test_reduce_scatter_and_all_gather_in_a_traced_step():
+  """Runtime.spmd_reduce_scatter / spmd_all_gather (sharded state, issue 51):
+  each replica's (N, 5) local tensor summed over the replicas, replica r keeping
+  row r (with a scale); each replica's row gathered (N, 5) on every replica."""
+  x = torch.arange(N * N * 5, dtype=torch.float32).reshape(N, N, 5) - 40  # x[r]: replica r's
+  split = runtime.place_split(x)
+  iota = runtime.place_split(torch.arange(N, dtype=torch.int32).to(runtime.device()))
+  groups = runtime.replica_groups(N)
+
+  def body():
+    with runtime.no_execution():
+      local = runtime.to_local(split).squeeze(0)  # (N, 5): replica r's own
+      replica = runtime.to_local(iota).reshape(())
+      row = runtime.spmd_reduce_scatter(local, 0.5, groups)  # (5,)
+      gathered = runtime.spmd_all_gather(row * (replica + 1), replica, groups)  # (N, 5)
+      return (
+        runtime.to_global(row.unsqueeze(0), runtime.sharding(2, N), torch.Size((N, 5))),
+        runtime.to_global(gathered, runtime.sharding(2, N, split=False), gathered.shape),
+      )
+
+  rows, gathered = runtime.to_host(list(runtime.traced_step(body)))
+  want = 0.5 * x.numpy().sum(0)  # row r of the sum, on replica r
+  np.testing.assert_allclose(rows.numpy(), want, rtol=1e-6)
+  np.testing.assert_allclose(gathered.numpy(), want * np.arange(1, N + 1)[:, None], rtol=1e-6)
+
+
+def test_held_bytes_is_what_the_fullest_device_holds():
+  """Runtime.held_bytes: a tensor split over the replicas holds one row per
+  device, a replicated one the whole; a host tensor its own size."""
+  x = torch.zeros(N, 6, dtype=torch.float32)
+  assert runtime.held_bytes(runtime.place_split(x)) == 6 * 4
+  assert runtime.held_bytes(runtime.place_replicated(x)) == N * 6 * 4
+  assert runtime.held_bytes(x) == N * 6 * 4
 
 
 def test_ensure_sharded_tensors_enter_a_step(host):

@@ -275,11 +275,22 @@ class StepEngine:
     # Mirrored variables with an aggregation that the optimizer updates are
     # updated identically on every replica (from aggregated gradients).
     step.optimizer_clean[id(optimizer)] = step.clean([p for p in params if step.is_aggregated(p)])
-    self.aggregate_gradients(ctx, params, "optimizer.step()")
-    if store.sharding is not None:
-      # Sharded state (sharded_state.py): the update runs on each replica's rows.
-      sharded_state.refuse_optimizer(optimizer)
-      step.sharded.stepping[id(optimizer)] = step.sharded.to_shards(params)
+    if store.sharding is None:
+      self.aggregate_gradients(ctx, params, "optimizer.step()")
+      return
+    # Sharded state (sharded_state.py): the update runs on each replica's rows,
+    # of gradients reduce-scattered ("gradients", "parameters") or all-reduced.
+    sharded_state.refuse_optimizer(optimizer)
+    scattered = []
+    if store.sharding.shards("gradients"):
+      done = step.aggregated_grads  # all-reduced for clipping: sliced, not scattered
+      scattered = [
+        p for p in params if sharded_state.layout_of(p) is not None and id(p) not in done
+      ]
+    ids = {id(p) for p in scattered}
+    self.aggregate_gradients(ctx, [p for p in params if id(p) not in ids], "optimizer.step()")
+    step.sharded.reduce_scatter(scattered, self._ext.experimental_gradient_aggregation)
+    step.sharded.stepping[id(optimizer)] = step.sharded.to_shards(params)
 
   def after_optimizer_step(self, optimizer):
     step = self.region.step

@@ -39,7 +39,7 @@ from typing import Any, Protocol, runtime_checkable
 @runtime_checkable
 class Runtime(Protocol):
   """The core: devices, placement, the step's region, host transfers and
-  boundaries, counters and random state (36 operations and 2 attributes).
+  boundaries, counters and random state (39 operations and 2 attributes).
 
   Attributes:
     DEVICE_KIND: the torch device type of the runtime's tensors ("xla", "jax").
@@ -135,6 +135,17 @@ class Runtime(Protocol):
   def spmd_all_reduce(self, op_name: str, tensor, scale: float, groups: list):
     """Inside a step: the all-reduce ("sum", "min", "max") of a local tensor
     over `groups`, times `scale`: a collective of the step's program."""
+
+  def spmd_reduce_scatter(self, tensor, scale: float, groups: list):
+    """Inside a step: each replica's (n, ...) local `tensor` summed over the n
+    replicas of `groups`, times `scale`; replica r gets row r of the sum (a
+    reduce-scatter of the step's program)."""
+
+  def spmd_all_gather(self, tensor, replica_id, groups: list):
+    """Inside a step: the local `tensor` of each of the n replicas of `groups`,
+    stacked (n, ...) on every replica (an all-gather of the step's program;
+    `replica_id`: the step's traced replica index, for a runtime that composes
+    it of other collectives)."""
 
   def no_execution(self):
     """A context manager: reading a traced value on the host inside it raises

@@ -166,16 +166,37 @@ _REDUCERS = {"sum": "psum", "max": "pmax", "min": "pmin"}
 def spmd_all_reduce(op_name, tensor, scale, groups):
   """psum / pmax / pmin of a step's local tensor over the replica axis, times `scale`."""
   jax = _rt().jax
-  if groups is not None and len(groups) != 1:
-    raise NotImplementedError(
-      "xladist's jax runtime reduces over all replicas; collectives over groups of "
-      "devices (TPUStrategy's logical devices) need the torch_xla runtime."
-    )
+  _one_group(groups)
   fn = getattr(jax.lax, _REDUCERS[op_name])
   out = fn(tensor._elem, REPLICA_AXIS)
   if scale != 1.0:
     out = out * np.asarray(scale, dtype=out.dtype)
   return _wrap(out)
+
+
+def spmd_reduce_scatter(tensor, scale, groups):
+  """psum_scatter of a step's local (n, ...) tensor: replica r gets row r of the sum."""
+  jax = _rt().jax
+  _one_group(groups)
+  out = jax.lax.psum_scatter(tensor._elem, REPLICA_AXIS, scatter_dimension=0, tiled=False)
+  if scale != 1.0:
+    out = out * np.asarray(scale, dtype=out.dtype)
+  return _wrap(out)
+
+
+def spmd_all_gather(tensor, replica_id, groups):
+  """all_gather of a step's local tensor: (n, ...) on every replica."""
+  jax = _rt().jax
+  _one_group(groups)
+  return _wrap(jax.lax.all_gather(tensor._elem, REPLICA_AXIS, axis=0, tiled=False))
+
+
+def _one_group(groups):
+  if groups is not None and len(groups) != 1:
+    raise NotImplementedError(
+      "xladist's jax runtime reduces over all replicas; collectives over groups of "
+      "devices (TPUStrategy's logical devices) need the torch_xla runtime."
+    )
 
 
 @contextlib.contextmanager

@@ -271,6 +271,30 @@ def spmd_all_reduce(op_name, tensor, scale, groups):
   return _xlac()._xla_spmd_all_reduce(op_name, tensor, scale, groups)
 
 
+def spmd_reduce_scatter(tensor, scale, groups):
+  """A reduce-scatter with global device ids (`_xla_spmd_reduce_scatter`, which
+  works in a manual region, unlike torch_xla's classic collectives)."""
+  n = tensor.shape[0]
+  rows = _xlac()._xla_spmd_reduce_scatter("sum", tensor.reshape(-1), scale, 0, n, groups)
+  return rows.view(tensor.shape[1:])
+
+
+def spmd_all_gather(tensor, replica_id, groups):
+  """torch_xla 2.9 has no all-gather with global device ids (its classic
+  `_xla_all_gather` fails in an SPMD program: "replica_id < replica_count"):
+  each replica's value in its own row of zeros, summed by one all-reduce (n
+  times the bytes of an all-gather)."""
+  import torch
+
+  n = len(groups[0])
+  rows = torch.arange(n, device=tensor.device, dtype=replica_id.dtype)
+  mask = (rows == replica_id).view((n,) + (1,) * tensor.dim())
+  expanded = tensor.unsqueeze(0).expand((n,) + tuple(tensor.shape))
+  stacked = torch.where(mask, expanded, torch.zeros_like(expanded))
+  out = _xlac()._xla_spmd_all_reduce("sum", stacked.reshape(-1), 1.0, groups)
+  return out.view(stacked.shape)
+
+
 @contextlib.contextmanager
 def no_execution():
   """Turns an attempted host read of a traced tensor into HostReadInStep."""
