@@ -25,7 +25,7 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH),)
 WHERE_XLADIST := -c 'import sys; del sys.path[0]; import os, xladist; \
 	print(os.path.dirname(os.path.dirname(os.path.realpath(xladist.__file__))))'
 
-.PHONY: own-code which-xladist test-ecosystem test-xla-ecosystem test-jax-ecosystem bench-scaling bench-memory venv venv-jax venv-jax-new test-jax test-jax-old test-jax-new test-xla check demo charlm demo-ps bench-ps test lint bench bench-input bench-collectives bench-logical \
+.PHONY: own-code which-xladist test-ecosystem test-xla-ecosystem test-jax-ecosystem bench-scaling bench-memory bench-sharding venv venv-jax venv-jax-new test-jax test-jax-old test-jax-new test-xla check demo charlm demo-ps bench-ps test lint bench bench-input bench-collectives bench-logical \
 	gpu-wheels gpu-check \
 	bench-first-step bench-checkpoint plots clean-venv
 
@@ -205,6 +205,14 @@ else
 bench-memory: venv
 	$(CPU_ENV) $(RUN) bench/memory.py
 endif
+
+# Sharded state (issue 51): MirroredStrategy and ShardingOptions(shard="optimizer_state",
+# "gradients", "parameters") on the 25.2M-parameter MLP, beside hand-written torch_xla
+# FSDPv2 and jax.jit with NamedSharding (in the jax environment): state bytes, peak RSS
+# over imports and step time, each variant in a process of its own (about 3 minutes).
+# ARGS=--jax adds xladist on the jax runtime (about 6 minutes in all).
+bench-sharding: venv venv-jax
+	$(RUN) bench/sharding.py --jax-python $(JAX_PY) $(ARGS)
 
 bench-input: venv
 	$(CPU_ENV) $(RUN) bench/input_pipeline.py --rounds 12
