@@ -243,12 +243,14 @@ class ShardedStep:
     return to_global_rows(row, layout)
 
   # -- optimizer.step() on each replica's rows ---------------------------------------------
-  def reduce_scatter(self, params, op):
+  def reduce_scatter(self, params, op, keep_grads=False):
     """Each replica's row of the aggregate (`op`: SUM, MEAN, or None: its own
     gradient's row) of these parameters' gradients: one reduce-scatter per
-    dtype, with no whole aggregated gradient. Their `.grad` is then None until
-    `to_shards` sets the rows."""
-    params = [p for p in params if p.grad is not None]
+    dtype, with no whole aggregated gradient; a parameter done earlier in the
+    step is not done again. Their `.grad` is then None until `to_shards` sets
+    the rows, or (`keep_grads`: torch's clipping reads `.grad` again to scale
+    it) stays the replica's own gradient."""
+    params = [p for p in params if p.grad is not None and id(p) not in self._grad_rows]
     if not params:
       return
     layouts = [layout_of(p) for p in params]
@@ -259,7 +261,14 @@ class ShardedStep:
       rows = collectives.reduce_scatter(op, stacked, self.region.num_replicas)
     for p, row in zip(params, rows):
       self._grad_rows[id(p)] = row
-      p.grad = None
+      if not keep_grads:
+        p.grad = None
+
+  def grad_rows_of(self, params):
+    return {id(p): self._grad_rows[id(p)] for p in params if id(p) in self._grad_rows}
+
+  def grad_row_ids(self):
+    return {id(row) for row in self._grad_rows.values()}
 
   def to_shards(self, params):
     """Each sharded parameter's `.data` and `.grad` become their rows (before

@@ -265,3 +265,38 @@ def test_checkpoint_moves_between_sharded_and_mirrored_runs(
   losses2 = continue_adamw(strategy, model2, opt2, sched2, make_data(20)[10:])
   torch.testing.assert_close(torch.cat([losses1, losses2]), want_losses, rtol=1e-5, atol=1e-6)
   assert_equal_by_scale(state_tensors(model2, opt2), want)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0])
+def test_clipping_over_sharded_and_mirrored_gradients_uses_the_global_norm(norm_type):
+  """Under "gradients" torch's clip_grad_norm_ scales each replica's rows of
+  the reduce-scattered gradients by the norm over all of them (combined across
+  replicas) and over the gradients that stay whole (below min_shard_bytes):
+  the returned norm and the trained weights equal the unsharded run's."""
+
+  def loop(sharding):
+    strategy = xd.MirroredStrategy(experimental_sharding=sharding)
+    with strategy.scope():
+      model = make_model()
+      opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(tokens, targets):
+      F.cross_entropy(model(tokens), targets).backward()
+      norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05, norm_type=norm_type)
+      opt.step()
+      opt.zero_grad()
+      return norm
+
+    norms = [
+      strategy.reduce(
+        "mean", strategy.run(step, args=(split(strategy, x), split(strategy, y))), axis=None
+      ).cpu()
+      for x, y in make_data(3)
+    ]
+    return torch.stack(norms), state_tensors(model, opt)
+
+  want_norms, want = loop(None)
+  norms, got = loop(ShardingOptions("gradients", min_shard_bytes=256))
+  torch.testing.assert_close(norms, want_norms, rtol=1e-5, atol=1e-7)
+  assert (want_norms > 0.05).all()  # every step clips
+  assert_equal_by_scale(got, want)

@@ -281,15 +281,8 @@ class StepEngine:
     # Sharded state (sharded_state.py): the update runs on each replica's rows,
     # of gradients reduce-scattered ("gradients", "parameters") or all-reduced.
     sharded_state.refuse_optimizer(optimizer)
-    scattered = []
-    if store.sharding.shards("gradients"):
-      done = step.aggregated_grads  # all-reduced for clipping: sliced, not scattered
-      scattered = [
-        p for p in params if sharded_state.layout_of(p) is not None and id(p) not in done
-      ]
-    ids = {id(p) for p in scattered}
-    self.aggregate_gradients(ctx, [p for p in params if id(p) not in ids], "optimizer.step()")
-    step.sharded.reduce_scatter(scattered, self._ext.experimental_gradient_aggregation)
+    rows = self._sharded_grads(params)
+    self.aggregate_gradients(ctx, [p for p in params if id(p) not in rows], "optimizer.step()")
     step.sharded.stepping[id(optimizer)] = step.sharded.to_shards(params)
 
   def after_optimizer_step(self, optimizer):
@@ -308,10 +301,52 @@ class StepEngine:
     found = [p for p in params if p is not None]
     if not found:
       return
-    self.aggregate_gradients(ctx, found, "torch.nn.utils gradient clipping")
+    rows = self._sharded_grads(found)
+    self.aggregate_gradients(
+      ctx, [p for p in found if id(p) not in rows], "torch.nn.utils gradient clipping"
+    )
     for i, p in enumerate(params):
       if p is not None:
-        tensors[i] = p.grad
+        tensors[i] = rows.get(id(p), p.grad)
+
+  def _sharded_grads(self, params):
+    """Under a level that shards gradients, the rows of the sharded parameters'
+    aggregated gradients ({id(param): row}; reduce-scattered once per step):
+    clipping scales the rows, and optimizer.step() uses them."""
+    sharding = self._ext._store.sharding
+    if sharding is None or not sharding.shards("gradients"):
+      return {}
+    step = self.region.step
+    sharded, done = step.sharded, step.aggregated_grads
+    # One all-reduced whole earlier in the step (a foreign clipping function) is sliced.
+    todo = [p for p in params if sharded_state.layout_of(p) is not None and id(p) not in done]
+    sharded.reduce_scatter(todo, self._ext.experimental_gradient_aggregation, keep_grads=True)
+    return sharded.grad_rows_of(todo)
+
+  def clip_total_norm(self, tensors, norm_type, total_norm):
+    """torch's total gradient norm inside this step when some of `tensors` are
+    rows of sharded gradients (each replica holds other rows): their norm is
+    combined across the replicas, the whole gradients' norm is taken once.
+    `total_norm`: torch's function. None when nothing is sharded."""
+    if self._in_this_step() is None:
+      return None
+    sharded = self.region.step.sharded
+    rows_ids = sharded.grad_row_ids()
+    if not rows_ids:
+      return None
+    rows = [t for t in tensors if id(t) in rows_ids]
+    whole = [t for t in tensors if id(t) not in rows_ids]
+    if not rows:
+      return None
+    n = self.region.num_replicas
+    local = total_norm(rows, norm_type)
+    if norm_type == float("inf"):
+      total = collectives.all_reduce(ReduceOp.MAX, [local], n)[0]
+      return torch.maximum(total, total_norm(whole, norm_type)) if whole else total
+    powered = collectives.all_reduce(ReduceOp.SUM, [local**norm_type], n)[0]
+    if whole:
+      powered = powered + total_norm(whole, norm_type) ** norm_type
+    return powered ** (1.0 / norm_type)
 
   def aggregate_gradients(self, ctx, params, api):
     """Replaces each parameter's local gradient by its aggregate across replicas

@@ -55,6 +55,32 @@ def _group_aggregated(tensorlistlist, with_indices=False):
   return _original(tensorlistlist, with_indices)
 
 
+_original_total_norm = _clip_grad._get_total_norm
+
+
+def _total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+  """torch's `_get_total_norm` (clip_grad_norm_, get_total_norm) inside a step
+  whose strategy shards gradients: the list's sharded gradients become their
+  rows (`_aggregate_for_clipping`) and their norm is combined across replicas."""
+  ctx = context.get_replica_context()
+  combine = getattr(ctx.strategy.extended, "_clip_total_norm", None) if ctx is not None else None
+  if combine is not None and not isinstance(tensors, torch.Tensor):
+    tensors = list(tensors)
+    aggregate = getattr(ctx.strategy.extended, "_aggregate_for_clipping", None)
+    if aggregate is not None and tensors:
+      aggregate(ctx, tensors)
+
+    def norm(ts, p):
+      return _original_total_norm(ts, p, False, foreach)
+
+    total = combine(tensors, float(norm_type), norm)
+    if total is not None:
+      if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):  # as torch
+        raise RuntimeError(f"The total norm of order {norm_type} for gradients is non-finite")
+      return total
+  return _original_total_norm(tensors, norm_type, error_if_nonfinite, foreach)
+
+
 def _aggregate_parameters(parameters):
   """`parameters` as a list, with their gradients aggregated inside a step."""
   params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
@@ -69,6 +95,11 @@ def _aggregate_parameters(parameters):
 def _wrap(fn):
   @functools.wraps(fn)
   def clip_grad_norm_(parameters, *args, **kwargs):
+    ctx = context.get_replica_context()
+    if ctx is not None and getattr(ctx.strategy.extended, "_clips_rows", False):
+      # Sharded gradients are clipped as rows, through torch's own function
+      # (the same arithmetic as torch_xla's; it reads `.grad`, which stays whole).
+      return _clip_grad.clip_grad_norm_(parameters, *args, **kwargs)
     return fn(_aggregate_parameters(parameters), *args, **kwargs)
 
   clip_grad_norm_._xladist_aggregates = True
@@ -84,4 +115,6 @@ def ensure_installed():
 
 _group_aggregated.__wrapped__ = _original
 setattr(_clip_grad, _NAME, _group_aggregated)
+_total_norm.__wrapped__ = _original_total_norm
+_clip_grad._get_total_norm = _total_norm
 ensure_installed()

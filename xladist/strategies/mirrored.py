@@ -128,6 +128,16 @@ class SPMDExtended(StrategyExtended):
     """torch's gradient clipping inside a step (`_step/grad_clip.py`)."""
     self._engine.aggregate_for_clipping(ctx, tensors)
 
+  @property
+  def _clips_rows(self):
+    """Whether clipping in a step scales rows of sharded gradients (`_step/grad_clip.py`)."""
+    sharding = self._store.sharding
+    return sharding is not None and sharding.shards("gradients")
+
+  def _clip_total_norm(self, tensors, norm_type, total_norm):
+    """torch's total gradient norm over sharded gradients' rows (`_step/grad_clip.py`)."""
+    return self._engine.clip_total_norm(tensors, norm_type, total_norm)
+
   def _variable_components(self, tensor):
     """Each replica's component: the rows of a sync-on-read variable's
     components, or each replica's copy of a mirrored one (read from its device:
