@@ -216,16 +216,16 @@ def select_own(stacked, replica_id):
   return stacked.index_select(0, replica_id.reshape(1).to(torch.int64)).squeeze(0)
 
 
-def reduce_scatter(op, rows, num_replicas):
+def reduce_scatter(op, rows, num_replicas, packs=None):
   """Row r of the SUM (or MEAN) over the replicas of each (num_replicas, k_i)
-  local tensor in `rows`, on replica r: one reduce-scatter per dtype (the rows
-  of one dtype side by side)."""
+  local tensor in `rows`, on replica r: one reduce-scatter per pack (`packs`,
+  as `pack_by_dtype` gives by default; the rows of a pack side by side)."""
   if op not in (ReduceOp.SUM, ReduceOp.MEAN):
     raise ValueError(f"reduce_scatter: {op} is not SUM or MEAN")
   scale = 1.0 / num_replicas if op is ReduceOp.MEAN else 1.0
   groups = _runtime.replica_groups(num_replicas)
   out = [None] * len(rows)
-  for indices in pack_by_dtype(rows):
+  for indices in pack_by_dtype(rows) if packs is None else packs:
     group = [rows[i] for i in indices]
     packed = group[0] if len(group) == 1 else torch.cat(group, dim=1)
     reduced = _runtime.spmd_reduce_scatter(packed, scale, groups)

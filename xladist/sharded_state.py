@@ -28,10 +28,20 @@ import math
 
 import torch
 
-from xladist import collectives
+from xladist import _settings, collectives
 from xladist import runtime as _runtime
 
 _LAYOUT = "_xladist_rows"  # attribute of a sharded parameter: its Layout
+# The sharded state's collectives (gathers, reduce-scatters) work on packs of at
+# most this many whole-tensor bytes, a bigger tensor alone: one collective for
+# all of a model's tensors made XLA:CPU 4.7x slower and 2.4x bigger in memory
+# than one per tensor (docs/performance.md); small tensors still share one.
+# XLADIST_SHARD_PACK_BYTES overrides it (read when a step packs).
+PACK_BYTES = 4 << 20
+
+
+def pack_bytes():
+  return _settings.whole_number("XLADIST_SHARD_PACK_BYTES", PACK_BYTES, "bytes")[0]
 
 
 class Layout:
@@ -169,9 +179,14 @@ def set_grad_between_steps(t, value):
 
 
 def gather(rows_list, layouts, region):
-  """Full tensors of each replica's rows (k,): one packed all-gather per dtype."""
+  """Full tensors of each replica's rows (k,): all-gathers of packs of at most
+  PACK_BYTES (a bigger tensor alone)."""
+  rows_list = [r.detach() for r in rows_list]
   stacked = collectives.gather_stacked_many(
-    [r.detach() for r in rows_list], region.replica_id, region.num_replicas
+    rows_list,
+    region.replica_id,
+    region.num_replicas,
+    packs=collectives.pack_by_bytes(rows_list, pack_bytes() // region.num_replicas),
   )
   return [layout.from_rows(s) for s, layout in zip(stacked, layouts)]
 
@@ -258,7 +273,12 @@ class ShardedStep:
       rows = [lay.own_rows(p.grad, self.region.replica_id) for p, lay in zip(params, layouts)]
     else:
       stacked = [lay.to_rows(p.grad) for p, lay in zip(params, layouts)]
-      rows = collectives.reduce_scatter(op, stacked, self.region.num_replicas)
+      rows = collectives.reduce_scatter(
+        op,
+        stacked,
+        self.region.num_replicas,
+        packs=collectives.pack_by_bytes(stacked, pack_bytes()),
+      )
     for p, row in zip(params, rows):
       self._grad_rows[id(p)] = row
       if not keep_grads:

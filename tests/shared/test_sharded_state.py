@@ -300,3 +300,16 @@ def test_clipping_over_sharded_and_mirrored_gradients_uses_the_global_norm(norm_
   torch.testing.assert_close(norms, want_norms, rtol=1e-5, atol=1e-7)
   assert (want_norms > 0.05).all()  # every step clips
   assert_equal_by_scale(got, want)
+
+
+@pytest.mark.parametrize("pack_bytes", ["64", "4096"])
+def test_collectives_in_small_packs_train_as_one_pack(monkeypatch, pack_bytes, mirrored_adamw):
+  """The sharded state's gathers and reduce-scatters work on packs of at most
+  XLADIST_SHARD_PACK_BYTES bytes (default 4 MiB, a bigger tensor alone): with
+  every tensor in a collective of its own (64) or a few per pack (4096) the
+  "parameters" loop trains as the unsharded one."""
+  monkeypatch.setenv("XLADIST_SHARD_PACK_BYTES", pack_bytes)
+  want_losses, want, _, _ = mirrored_adamw
+  losses, got, _, _ = adamw_loop("parameters")
+  torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-6)
+  assert_equal_by_scale(got, want)
