@@ -10,7 +10,7 @@ import copy
 
 import torch
 
-from xladist import context
+from xladist import context, sharded_state
 from xladist import runtime as _runtime
 from xladist._global_view import (
   as_value,
@@ -136,6 +136,20 @@ class StrategyExtended(abc.ABC):
       "replayed": replayer.replays,
       "traced_for_writes": replayer.writes,
     }
+
+  def experimental_state_bytes(self):
+    """{"parameters", "gradients", "optimizer_state"}: the bytes of this strategy's
+    training state that its fullest device holds now, read from the runtime's
+    placement of each tensor (a sharded tensor's shard, a replicated one whole;
+    a host tensor, such as a step counter, at its own size). "gradients" counts
+    the `.grad` tensors still held (a step that ran `optimizer.step()` releases
+    them); "optimizer_state" the state of the optimizers the strategy's steps
+    ran, step counters included. Runs the pending work first."""
+    store = self._store
+    store.place_pending()
+    _runtime.sync()
+    params = [t for m in store.modules() for t in m._parameters.values() if t is not None]
+    return sharded_state.state_bytes(params, list(store.optimizers()))
 
   @property
   def experimental_compile_explanations(self):

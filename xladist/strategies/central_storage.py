@@ -116,6 +116,7 @@ class _CentralStorageEngine(StepEngine):
       grads = [p.grad for p in params]
       step.stepped.update(id(p) for p in params)
       self._ext._updates.append((optimizer, list(zip(params, grads))))
+      self._ext._store.track_optimizer(optimizer)  # its state is the strategy's
       for p in params:
         p.grad = None
     self._guard.start()

@@ -3,7 +3,7 @@
 import torch
 
 from xladist import runtime as _runtime
-from xladist import sharded_state, sharding_options
+from xladist import sharding_options
 from xladist._global_view import check_axis as _check_axis
 from xladist._global_view import concat_stacked as _concat_stacked
 from xladist._step.engine import StepEngine
@@ -46,18 +46,6 @@ class SPMDExtended(StrategyExtended):
   def experimental_sharding(self):
     """The strategy's ShardingOptions (what it shards over its replicas), or None."""
     return self._store.sharding
-
-  def experimental_state_bytes(self):
-    """{"parameters", "gradients", "optimizer_state"}: the bytes of this strategy's
-    training state that its fullest device holds now, read from the runtime's
-    placement of each tensor (sharded or not). "gradients" counts the `.grad`
-    tensors held (a step that ran `optimizer.step()` releases them);
-    "optimizer_state" includes the step counters. Runs the pending work first."""
-    store = self._store
-    store.place_pending()
-    _runtime.sync()
-    params = [t for m in store.modules() for t in m._parameters.values() if t is not None]
-    return sharded_state.state_bytes(params, list(store.optimizers()))
 
   # -- hooks ------------------------------------------------------------------------
   def _enter_scope(self):

@@ -1,6 +1,7 @@
 """OneDeviceStrategy, and the single-replica machinery it shares with the default strategy."""
 
 import torch
+from torch.optim import optimizer as torch_optimizer
 
 from xladist import context
 from xladist import runtime as _runtime
@@ -84,10 +85,15 @@ class SingleReplicaExtended(StrategyExtended):
     strategy = self._strategy_ref
     mode = context._Mode(strategy, replica_context=ReplicaContext(strategy))
     context.push(mode)
+    # The optimizers a step runs are the strategy's (experimental_state_bytes).
+    track = torch_optimizer.register_optimizer_step_post_hook(
+      lambda optimizer, a, k: self._store.track_optimizer(optimizer)
+    )
     try:
       with single_threaded_autograd():
         return fn(*args, **kwargs)
     finally:
+      track.remove()
       context.pop(mode)
 
 
