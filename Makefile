@@ -167,13 +167,13 @@ test-jax: venv venv-jax venv-jax-new
 	@$(MAKE) --no-print-directory -j2 --output-sync=target test-jax-old test-jax-new
 
 test-jax-old: venv venv-jax own-code
-	@$(call TIMED,$(JAX_TEST_ENV) $(JAX_PY) -m pytest -q -p no:cacheprovider -m "not ecosystem_matrix" $(JAX_TESTS))
+	@$(call TIMED,$(JAX_TEST_ENV) $(JAX_PY) -m pytest -q -p no:cacheprovider -m "not ecosystem_matrix and not xla_depth" $(JAX_TESTS))
 
 # The newest environment leaves out the full optimizer x scheduler matrix (15 models
 # per step, about 75 s there), which torch_xla and the oldest run; its one-loop cases
 # (every optimizer and scheduler) run here too.
 test-jax-new: venv venv-jax-new own-code
-	@$(call TIMED,$(JAX_TEST_ENV) $(JAX_NEW_PY) -m pytest -q -p no:cacheprovider -m "not full_matrix and not ecosystem_matrix" $(JAX_TESTS))
+	@$(call TIMED,$(JAX_TEST_ENV) $(JAX_NEW_PY) -m pytest -q -p no:cacheprovider -m "not full_matrix and not ecosystem_matrix and not xla_depth" $(JAX_TESTS))
 
 # Style (ruff, settings in pyproject.toml) and the one-way layers of the package
 # (import-linter's contracts in pyproject.toml).
@@ -234,12 +234,13 @@ bench-checkpoint: venv
 
 # Every benchmark's figure (docs/img/*.png, shown in the README); regenerate on a
 # quiet machine: these are single runs.
-plots: venv
+plots: venv venv-jax
 	$(CPU_ENV) $(RUN) bench/step_overhead.py --plot
 	$(CPU_ENV) $(RUN) bench/input_pipeline.py --rounds 12 --plot
 	$(CPU_ENV) $(RUN) bench/collectives.py --skip-packing --plot
 	$(CPU_ENV) $(RUN) bench/steps_per_execution.py --plot
 	$(CPU_ENV) $(RUN) bench/logical_devices.py --plot
+	$(RUN) bench/sharding.py --jax-python $(JAX_PY) --plot
 
 clean-venv:
 	rm -rf $(XLADIST_VENV)

@@ -92,18 +92,15 @@ def assert_equal_by_scale(got, want, tol=1e-5):
     assert diff <= tol * scale, f"{k}: {diff:.3g} > {tol} x {scale:.3g}"
 
 
-def adamw_loop(level, steps=20, strategy=None, state=None):
+def adamw_loop(level, steps=20):
   """AdamW (two groups) + cosine schedule + clip_grad_norm_, `steps` steps.
-  Returns the losses, the final tensors, the replay counts and the strategy."""
-  strategy = strategy or make_strategy(level)
+  Returns the losses, the final tensors, the replay counts (with "compiles_after_8":
+  the compilations after step 8) and (model, optimizer, scheduler, strategy)."""
+  strategy = make_strategy(level)
   with strategy.scope():
     model = make_model()
     opt = make_adamw(model)
   sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=20)
-  if state is not None:
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["opt"])
-    sched.load_state_dict(state["sched"])
 
   def step(tokens, targets):
     loss = F.cross_entropy(model(tokens), targets)
@@ -113,12 +110,16 @@ def adamw_loop(level, steps=20, strategy=None, state=None):
     opt.zero_grad()
     return loss
 
-  losses = []
-  for x, y in make_data(steps):
+  losses, compiled = [], None
+  for i, (x, y) in enumerate(make_data(steps)):
     out = strategy.run(step, args=(split(strategy, x), split(strategy, y)))
     sched.step()
     losses.append(strategy.reduce("mean", out, axis=None).cpu())
+    if i + 1 == 8:
+      compiled = strategy.extended.experimental_compile_count
   counts = dict(strategy.extended.experimental_replay_counts)
+  if compiled is not None:
+    counts["compiles_after_8"] = strategy.extended.experimental_compile_count - compiled
   return torch.stack(losses), state_tensors(model, opt), counts, (model, opt, sched, strategy)
 
 
