@@ -8,7 +8,8 @@
                                             # and the chief goes on to step 2
 
 With TF_CONFIG set the strategy is MultiWorkerMirroredStrategy (the cluster it
-names, CommunicationOptions(timeout_seconds=XLADIST_TEST_TIMEOUT)); without it
+names, CommunicationOptions(timeout_seconds=XLADIST_TEST_TIMEOUT), and with
+XLADIST_TEST_SHARD=<level> that level of ShardingOptions); without it
 MirroredStrategy over this process's devices: the one-process reference.
 Each step's input comes from `experimental_distribute_dataset` of a torch
 DataLoader of the global batches (each host keeps its replicas' rows).
@@ -36,8 +37,12 @@ def _strategy():
   if not os.environ.get("TF_CONFIG"):
     return xd.MirroredStrategy()
   timeout = float(os.environ.get("XLADIST_TEST_TIMEOUT", "60"))
+  shard = os.environ.get("XLADIST_TEST_SHARD")  # a ShardingOptions level, min_shard_bytes=0
   return xd.MultiWorkerMirroredStrategy(
-    communication_options=xd.experimental.CommunicationOptions(timeout_seconds=timeout)
+    communication_options=xd.experimental.CommunicationOptions(timeout_seconds=timeout),
+    experimental_sharding=xd.experimental.ShardingOptions(shard, min_shard_bytes=0)
+    if shard
+    else None,
   )
 
 

@@ -156,16 +156,21 @@ def _results(processes, tmp_path, start):
   )
 
 
-def test_two_processes_replay_adamw_with_a_schedule_like_one_process(processes, tmp_path):
+@pytest.mark.parametrize("shard", [None, "parameters"])
+def test_two_processes_replay_adamw_with_a_schedule_like_one_process(processes, tmp_path, shard):
   """Replay on several hosts (issue 32): 2 processes x 2 devices train the loop
   users run (AdamW, CosineAnnealingLR stepped every step, gradient clipping)
   for 20 steps; each process traces fn at most 3 times and replays the rest,
-  and both train like 1 process x 4 devices (1e-6 of each tensor's scale)."""
+  and both train like 1 process x 4 devices (1e-6 of each tensor's scale).
+  With `shard` (issue 51) the two processes shard parameters, gradients and
+  optimizer state over the 4 replicas (reduce-scatters and all-gathers across
+  the processes) and still train like the one unsharded process."""
   cluster = _cluster()
   start = time.monotonic()
+  extra = {"XLADIST_TEST_SHARD": shard} if shard else {}
   for name, env in (
-    ("chief", _task_env(cluster, "chief")),
-    ("worker", _task_env(cluster, "worker")),
+    ("chief", _task_env(cluster, "chief", **extra)),
+    ("worker", _task_env(cluster, "worker", **extra)),
     ("single", _env(4)),
   ):
     processes.start(name, ["replay", tmp_path / f"{name}.pt", "-"], env)
