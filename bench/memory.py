@@ -29,11 +29,12 @@ tens of MB between runs on a shared machine: compare ratios.
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 
-WIDTH, LR, WD = 1024, 1e-3, 1e-2
+from _memory_shared import WIDTH, add_interpreter_arguments, batch, mlp, peak, rss
+
+LR, WD = 1e-3, 1e-2
 MB = 1024 * 1024
 
 XLA_ENV = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "XLADIST_BACKEND": "torch_xla"}
@@ -52,35 +53,6 @@ VARIANTS = {
 REFERENCE = "hand-xla"
 
 
-def _rss():
-  with open("/proc/self/status") as f:
-    for line in f:
-      if line.startswith("VmRSS:"):
-        return int(line.split()[1]) * 1024
-  raise RuntimeError("no VmRSS in /proc/self/status")
-
-
-def _peak():
-  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
-
-def _mlp(layers):
-  import torch
-  import torch.nn as nn
-
-  torch.manual_seed(0)
-  parts = []
-  for _ in range(layers):
-    parts += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
-  return nn.Sequential(*parts)
-
-
-def _batch(rows):
-  import torch
-
-  return torch.randn(4 * rows, WIDTH, generator=torch.Generator().manual_seed(1))
-
-
 # -- the children: one variant each ---------------------------------------------------------
 
 
@@ -89,11 +61,11 @@ def _xladist(layers, rows, steps):
 
   import xladist as xd
 
-  base = _rss()
+  base = rss()
   strategy = xd.MirroredStrategy()
   assert strategy.num_replicas_in_sync == 4, "needs 4 devices"
   with strategy.scope():
-    model = _mlp(layers)
+    model = mlp(layers)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
 
   def step(x):
@@ -103,7 +75,7 @@ def _xladist(layers, rows, steps):
     opt.step()
     return loss
 
-  data = _batch(rows)
+  data = batch(rows)
 
   def rows_of(ctx):
     i = ctx.replica_id_in_sync_group
@@ -124,13 +96,13 @@ def _hand_xla(layers, rows, steps):
   import torch_xla.distributed.spmd as xs
   import torch_xla.runtime as xr
 
-  base = _rss()
+  base = rss()
   xr.use_spmd()
   mesh = xs.Mesh(np.arange(4), (4,), ("data",))
   device = torch_xla.device()
-  model = _mlp(layers).to(device)
+  model = mlp(layers).to(device)
   opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
-  x = _batch(rows).to(device)
+  x = batch(rows).to(device)
   xs.mark_sharding(x, mesh, ("data", None))
   for _ in range(steps):
     loss = model(x).square().mean()
@@ -147,9 +119,9 @@ def _hand_jax(layers, rows, steps):
   import optax
   from _jax_reference import donated_step, mesh_shardings
 
-  base = _rss()
+  base = rss()
   replicated, split = mesh_shardings()
-  model = _mlp(layers)
+  model = mlp(layers)
   params = [
     (jnp.asarray(m.weight.detach().numpy()), jnp.asarray(m.bias.detach().numpy()))
     for m in model
@@ -160,7 +132,7 @@ def _hand_jax(layers, rows, steps):
   opt = optax.adamw(LR, weight_decay=WD)
   state = jax.device_put(opt.init(params), replicated)
   step = donated_step(opt)
-  x = jax.device_put(jnp.asarray(_batch(rows).numpy()), split)
+  x = jax.device_put(jnp.asarray(batch(rows).numpy()), split)
   for _ in range(steps):
     params, state, loss = step(params, state, x)
   return base, float(loss), ""
@@ -182,7 +154,7 @@ def _child(variant, layers, rows, steps):
   run = {"xladist-xla": _xladist, "xladist-jax": _xladist, "hand-xla": _hand_xla}
   base, loss, note = run.get(variant, _hand_jax)(layers, rows, steps)
   print(
-    json.dumps({"base": base, "peak": _peak(), "end": _rss(), "loss": loss, "note": note}),
+    json.dumps({"base": base, "peak": peak(), "end": rss(), "loss": loss, "note": note}),
     flush=True,
   )
 
@@ -212,16 +184,7 @@ def main():
   parser.add_argument("--layers", type=int, nargs="+", default=[8, 24])
   parser.add_argument("--rows", type=int, default=8, help="rows per replica")
   parser.add_argument("--steps", type=int, default=20)
-  parser.add_argument(
-    "--xla-python",
-    default=None,
-    help="an interpreter with torch_xla (default: this one, unless XLADIST_BACKEND=jax)",
-  )
-  parser.add_argument(
-    "--jax-python",
-    default=None,
-    help="an interpreter with jax, optax and torchax (default: this one when XLADIST_BACKEND=jax)",
-  )
+  add_interpreter_arguments(parser)
   parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=None)
   parser.add_argument("--child", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
   from _plot import add_plot_argument, save_plot

@@ -64,13 +64,14 @@ compare ratios.
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import time
 
-WIDTH, LR, WD, T_MAX, MAX_NORM = 1024, 1e-3, 1e-2, 1000, 1.0
+from _memory_shared import WIDTH, add_interpreter_arguments, batch, mlp, peak, rss
+
+LR, WD, T_MAX, MAX_NORM = 1e-3, 1e-2, 1000, 1.0
 MB = 1024 * 1024
 FIRST_TIMED = 5  # step times: the median of steps 5..N (1-based), after warm-up
 
@@ -98,35 +99,6 @@ ON_JAX = ["jax-mirrored"] + [f"jax-{lv}" for lv in LEVELS]  # --jax
 SHORT = {"optimizer_state": "opt. state", "fsdpv2": "FSDPv2", "hand": "jax.jit"}
 # level -> (peak RSS increment, step time) at most these multiples of MirroredStrategy
 TARGETS = {"optimizer_state": (0.75, 1.15), "gradients": (0.60, 1.15), "parameters": (0.40, 1.5)}
-
-
-def _rss():
-  with open("/proc/self/status") as f:
-    for line in f:
-      if line.startswith("VmRSS:"):
-        return int(line.split()[1]) * 1024
-  raise RuntimeError("no VmRSS in /proc/self/status")
-
-
-def _peak():
-  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
-
-def _mlp(layers):
-  import torch
-  import torch.nn as nn
-
-  torch.manual_seed(0)
-  parts = []
-  for _ in range(layers):
-    parts += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
-  return nn.Sequential(*parts)
-
-
-def _batch(rows):
-  import torch
-
-  return torch.randn(4 * rows, WIDTH, generator=torch.Generator().manual_seed(1))
 
 
 def _torch_loop(model):
@@ -166,17 +138,17 @@ def _xladist(level, layers, rows, steps):
   import xladist as xd
   from xladist import runtime as _runtime
 
-  base = _rss()
+  base = rss()
   sharding = None
   if level is not None:
     sharding = xd.experimental.ShardingOptions(shard=level, min_shard_bytes=0)
   strategy = xd.MirroredStrategy(experimental_sharding=sharding)
   assert strategy.num_replicas_in_sync == 4, "needs 4 devices"
   with strategy.scope():
-    model = _mlp(layers)
+    model = mlp(layers)
     opt, sched, step = _torch_loop(model)
 
-  data = _batch(rows)
+  data = batch(rows)
 
   def rows_of(ctx):
     i = ctx.replica_id_in_sync_group
@@ -211,13 +183,13 @@ def _fsdpv2(layers, rows, steps):
     SpmdFullyShardedDataParallel as FSDPv2,
   )
 
-  base = _rss()
+  base = rss()
   xr.use_spmd()
   mesh = xs.Mesh(np.arange(4), (4,), ("fsdp",))
   xs.set_global_mesh(mesh)
-  model = FSDPv2(_mlp(layers))  # moves the model to the device, shards every parameter
+  model = FSDPv2(mlp(layers))  # moves the model to the device, shards every parameter
   opt, sched, step = _torch_loop(model)
-  x = _batch(rows).to(torch_xla.device())
+  x = batch(rows).to(torch_xla.device())
   xs.mark_sharding(x, mesh, ("fsdp", None))
   out = []
 
@@ -239,13 +211,13 @@ def _hand_jax(layers, rows, steps):
   from jax.sharding import Mesh, NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  base = _rss()
+  base = rss()
   mesh = Mesh(np.array(jax.devices()[:4]), ("fsdp",))
 
   def fsdp(shape):  # dimension 0 over the "fsdp" axis; a scalar replicated
     return NamedSharding(mesh, P("fsdp", *([None] * (len(shape) - 1))) if shape else P())
 
-  model = _mlp(layers)
+  model = mlp(layers)
   params = [
     tuple(
       jax.device_put(a, fsdp(a.shape)) for a in (m.weight.detach().numpy(), m.bias.detach().numpy())
@@ -274,7 +246,7 @@ def _hand_jax(layers, rows, steps):
     out_shardings=(param_sh, state_sh, replicated),
     donate_argnums=(0, 1),
   )
-  x = jax.device_put(_batch(rows).numpy(), fsdp((1, 1)))
+  x = jax.device_put(batch(rows).numpy(), fsdp((1, 1)))
   carry = [params, state, None]
 
   def one_step():
@@ -309,8 +281,8 @@ def _child(variant, layers, rows, steps):
   timed = times[min(FIRST_TIMED - 1, len(times) - 1) :]
   result = {
     "base": base,
-    "peak": _peak(),
-    "end": _rss(),
+    "peak": peak(),
+    "end": rss(),
     "loss": loss,
     "step_s": statistics.median(timed),
     "fastest_s": min(timed),
@@ -372,16 +344,7 @@ def main():
     help=f"a comma list of {', '.join(VARIANTS)} (default: {', '.join(DEFAULT)})",
   )
   parser.add_argument("--jax", action="store_true", help="the xladist variants on jax too")
-  parser.add_argument(
-    "--xla-python",
-    default=None,
-    help="an interpreter with torch_xla (default: this one, unless XLADIST_BACKEND=jax)",
-  )
-  parser.add_argument(
-    "--jax-python",
-    default=None,
-    help="an interpreter with jax, optax and torchax (default: this one when XLADIST_BACKEND=jax)",
-  )
+  add_interpreter_arguments(parser)
   parser.add_argument("--json", default=None, metavar="OUT", help="also write the results here")
   parser.add_argument("--timeout", type=int, default=1800, help="seconds per variant")
   parser.add_argument("--child", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
@@ -439,18 +402,18 @@ def main():
       print(f"| {label} | - | - | - | - | - | - | FAILED ({first}; traceback below) |")
       continue
     ref = _reference(variant, results)
-    peak = (r["peak"] - r["base"]) / MB
+    peak_mb = (r["peak"] - r["base"]) / MB
     cells = ["-", "-"]
     if ref:
       rr = results[ref]
-      peak_ratio = peak / ((rr["peak"] - rr["base"]) / MB)
+      peak_ratio = peak_mb / ((rr["peak"] - rr["base"]) / MB)
       step_ratio = r["step_s"] / rr["step_s"]
       ratios[variant] = (peak_ratio, step_ratio, ref)
       cells = [f"{peak_ratio:.2f}", f"{step_ratio:.2f}"]
       if ref != f"{VARIANTS[variant][1]}-mirrored":
         cells = [c + " (torch_xla's)" for c in cells]
     print(
-      f"| {label} | {_held_cell(r['state_bytes'])} | {peak:.0f} | {cells[0]} "
+      f"| {label} | {_held_cell(r['state_bytes'])} | {peak_mb:.0f} | {cells[0]} "
       f"| {r['step_s'] * 1e3:.0f} ({r['fastest_s'] * 1e3:.0f}) | {cells[1]} "
       f"| {r['loss']:.6g} | {r['note']} |",
       flush=True,

@@ -101,15 +101,7 @@ def adamw_loop(level, steps=20):
     model = make_model()
     opt = make_adamw(model)
   sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=20)
-
-  def step(tokens, targets):
-    loss = F.cross_entropy(model(tokens), targets)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-    opt.step()
-    opt.zero_grad()
-    return loss
-
+  step = adamw_step(model, opt)
   losses, compiled = [], None
   for i, (x, y) in enumerate(make_data(steps)):
     out = strategy.run(step, args=(split(strategy, x), split(strategy, y)))
@@ -123,7 +115,9 @@ def adamw_loop(level, steps=20):
   return torch.stack(losses), state_tensors(model, opt), counts, (model, opt, sched, strategy)
 
 
-def continue_adamw(strategy, model, opt, sched, data):
+def adamw_step(model, opt):
+  """The step function of the AdamW loop (clipping at 0.5)."""
+
   def step(tokens, targets):
     loss = F.cross_entropy(model(tokens), targets)
     loss.backward()
@@ -131,6 +125,12 @@ def continue_adamw(strategy, model, opt, sched, data):
     opt.step()
     opt.zero_grad()
     return loss
+
+  return step
+
+
+def continue_adamw(strategy, model, opt, sched, data):
+  step = adamw_step(model, opt)
 
   losses = []
   for x, y in data:

@@ -168,10 +168,7 @@ def spmd_all_reduce(op_name, tensor, scale, groups):
   jax = _rt().jax
   _one_group(groups)
   fn = getattr(jax.lax, _REDUCERS[op_name])
-  out = fn(tensor._elem, REPLICA_AXIS)
-  if scale != 1.0:
-    out = out * np.asarray(scale, dtype=out.dtype)
-  return _wrap(out)
+  return _wrap(_scaled(fn(tensor._elem, REPLICA_AXIS), scale))
 
 
 def spmd_reduce_scatter(tensor, scale, groups):
@@ -179,9 +176,7 @@ def spmd_reduce_scatter(tensor, scale, groups):
   jax = _rt().jax
   _one_group(groups)
   out = jax.lax.psum_scatter(tensor._elem, REPLICA_AXIS, scatter_dimension=0, tiled=False)
-  if scale != 1.0:
-    out = out * np.asarray(scale, dtype=out.dtype)
-  return _wrap(out)
+  return _wrap(_scaled(out, scale))
 
 
 def spmd_all_gather(tensor, replica_id, groups):
@@ -189,6 +184,10 @@ def spmd_all_gather(tensor, replica_id, groups):
   jax = _rt().jax
   _one_group(groups)
   return _wrap(jax.lax.all_gather(tensor._elem, REPLICA_AXIS, axis=0, tiled=False))
+
+
+def _scaled(out, scale):
+  return out if scale == 1.0 else out * np.asarray(scale, dtype=out.dtype)
 
 
 def _one_group(groups):

@@ -1,0 +1,54 @@
+"""What the memory benches share (bench/memory.py, bench/sharding.py): the
+process's resident set, its peak, the MLP and batch both train, and the
+options naming the interpreters of each runtime."""
+
+import resource
+
+WIDTH = 1024
+
+
+def rss():
+  """This process's resident set now, in bytes."""
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith("VmRSS:"):
+        return int(line.split()[1]) * 1024
+  raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def peak():
+  """This process's peak resident set, in bytes."""
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def mlp(layers):
+  """`layers` x Linear(WIDTH, WIDTH) + tanh, torch's initialization from seed 0."""
+  import torch
+  import torch.nn as nn
+
+  torch.manual_seed(0)
+  parts = []
+  for _ in range(layers):
+    parts += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+  return nn.Sequential(*parts)
+
+
+def batch(rows):
+  """The global batch of 4 replicas x `rows` rows (seed 1)."""
+  import torch
+
+  return torch.randn(4 * rows, WIDTH, generator=torch.Generator().manual_seed(1))
+
+
+def add_interpreter_arguments(parser):
+  """--xla-python and --jax-python: the interpreters the children of each runtime run in."""
+  parser.add_argument(
+    "--xla-python",
+    default=None,
+    help="an interpreter with torch_xla (default: this one, unless XLADIST_BACKEND=jax)",
+  )
+  parser.add_argument(
+    "--jax-python",
+    default=None,
+    help="an interpreter with jax, optax and torchax (default: this one when XLADIST_BACKEND=jax)",
+  )
