@@ -17,8 +17,8 @@ Inside a traced step (docs/architecture.md, "Sharded state"):
 * gradients ("gradients", "parameters"): the aggregated gradient is
   reduce-scattered: each replica keeps the rows of its share.
 * parameters ("parameters"): the parameter itself is rows between steps; a
-  step gathers the rows of every sharded parameter when it begins (one packed
-  collective per dtype) and the full copies are temporaries of the program.
+  step gathers the rows of every sharded parameter when it begins (all-gathers in
+  packs of at most 4 MiB) and the full copies are temporaries of the program.
 
 `state_dict()` of a module or an optimizer returns whole tensors, and
 `load_state_dict` takes whole tensors (`watch_module`, `watch_optimizer`).
@@ -222,7 +222,7 @@ class ShardedStep:
     self._gathered.append(t)
 
   def gather_entered(self):
-    """Every parameter entered as rows gets its full value (packed gathers)."""
+    """Every parameter entered as rows gets its full value (gathers per pack)."""
     todo, self._gathered = self._gathered, []
     self._gather(todo)
 
@@ -261,7 +261,7 @@ class ShardedStep:
   def reduce_scatter(self, params, op, keep_grads=False):
     """Each replica's row of the aggregate (`op`: SUM, MEAN, or None: its own
     gradient's row) of these parameters' gradients: one reduce-scatter per
-    dtype, with no whole aggregated gradient; a parameter done earlier in the
+    pack (`pack_bytes`), with no whole aggregated gradient; a parameter done earlier in the
     step is not done again. Their `.grad` is then None until `to_shards` sets
     the rows, or (`keep_grads`: torch's clipping reads `.grad` again to scale
     it) stays the replica's own gradient."""
@@ -292,8 +292,9 @@ class ShardedStep:
 
   def to_shards(self, params):
     """Each sharded parameter's `.data` and `.grad` become their rows (before
-    `optimizer.step()`); the gradients are already aggregated (reduce-scattered
-    by slicing the all-reduced value). Returns the parameters it changed."""
+    `optimizer.step()`): the rows of its aggregated gradient, reduce-scattered
+    (`reduce_scatter`) or cut from the all-reduced whole. Returns the parameters
+    it changed."""
     rid = self.region.replica_id
     done = []
     for p in params:
@@ -314,7 +315,9 @@ class ShardedStep:
         g = grad
       else:
         g = layout.own_rows(grad, rid)
-      self._grads[id(p)] = grad
+      # After the update `.grad` is the whole aggregate where one exists (an
+      # all-reduce), else None (reduce-scattered: only rows of it exist).
+      self._grads[id(p)] = None if scattered is not None else grad
       p.grad = None
       p.data = row
       p.grad = g

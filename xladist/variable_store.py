@@ -398,7 +398,7 @@ class VariableStore:
     layout = sharded_state.layout_of(t)
     if local is None and layout is not None and layout.params:
       # Kept as rows: this replica's row now, the full value once every
-      # sharded parameter is entered (one packed gather, `enter`).
+      # sharded parameter is entered (gathers per pack, `enter`).
       t.grad = None
       step.sharded.enter(t, _runtime.to_local(_runtime.ensure_sharded(data)), layout)
       t.data = step.sharded.rows[id(t)]

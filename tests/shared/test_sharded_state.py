@@ -335,3 +335,34 @@ def test_collectives_in_small_packs_train_as_one_pack(monkeypatch, pack_bytes, m
   losses, got, _, _ = adamw_loop("parameters")
   torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-6)
   assert_equal_by_scale(got, want)
+
+
+@pytest.mark.xla_depth
+@pytest.mark.parametrize("clip", [False, True])
+def test_grad_after_the_update_in_the_step_is_the_aggregate_or_none(clip):
+  """Under "gradients" only rows of the aggregated gradient exist: `.grad` read
+  after optimizer.step() in the same step is None (never a replica's own
+  gradient); under "optimizer_state" it is the whole aggregate, as unsharded."""
+
+  def grads_after_update(level):
+    strategy = make_strategy(level)
+    with strategy.scope():
+      model = make_model(bn=False)
+      opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(tokens, targets):
+      F.cross_entropy(model(tokens), targets).backward()
+      if clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 100.0)
+      opt.step()
+      g = model.out.weight.grad
+      return torch.zeros(()) if g is None else g.sum()
+
+    x, y = make_data(1)[0]
+    out = strategy.run(step, args=(split(strategy, x), split(strategy, y)))
+    return [float(v.cpu()) for v in strategy.experimental_local_results(out)], model
+
+  mirrored, _ = grads_after_update(None)
+  assert len(set(mirrored)) == 1 and mirrored[0] != 0.0  # the aggregate, on every replica
+  assert grads_after_update("optimizer_state")[0] == pytest.approx(mirrored, rel=1e-5)
+  assert grads_after_update("gradients")[0] == [0.0] * N
