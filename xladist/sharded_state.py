@@ -93,12 +93,26 @@ def layout_of(t):
   return getattr(t, _LAYOUT, None)
 
 
+def rows_layout(p):
+  """The Layout of a parameter that holds its rows now (between steps under
+  "parameters"), else None."""
+  layout = layout_of(p) if p is not None else None
+  if layout is not None and layout.params and layout.is_rows(p):
+    return layout
+  return None
+
+
+def state_layout(p, v):
+  """The Layout of `v`, an optimizer state tensor of parameter `p`: a sharded
+  parameter's non-scalar state is sharded with it; else None."""
+  layout = layout_of(p)
+  return layout if layout is not None and v.dim() > 0 else None
+
+
 def full_shape(t):
   """The shape of a tensor's whole value (a parameter kept as rows: its full shape)."""
-  layout = layout_of(t)
-  if layout is not None and layout.params and layout.is_rows(t):
-    return tuple(layout.shape)
-  return tuple(t.shape)
+  layout = rows_layout(t)
+  return tuple(t.shape if layout is None else layout.shape)
 
 
 def set_layout(t, layout):
@@ -331,11 +345,10 @@ class ShardedStep:
     for p in params:
       layout = layout_of(p)
       grad = self._grads.pop(id(p))
+      self.rows[id(p)] = p.data
       if layout.params:
-        self.rows[id(p)] = p.data
         self.dirty.add(id(p))
       else:
-        self.rows[id(p)] = p.data
         grad_of[id(p)] = grad
         mirrored.append(p)
     for p in mirrored:
@@ -387,21 +400,19 @@ def rows_of(t):
 
 def _module_state_dict_hook(module, state_dict, prefix, local_metadata):
   for name, p in module._parameters.items():
-    layout = layout_of(p) if p is not None else None
-    key = prefix + name
-    if layout is not None and layout.params and key in state_dict and layout.is_rows(p):
+    layout, key = rows_layout(p), prefix + name
+    if layout is not None and key in state_dict:
       state_dict[key] = whole_of(state_dict[key], layout)
   return state_dict
 
 
 def _module_load_pre_hook(module, state_dict, prefix, *args):
   for name, p in module._parameters.items():
-    layout = layout_of(p) if p is not None else None
-    key = prefix + name
-    if layout is None or not layout.params or key not in state_dict:
+    layout, key = rows_layout(p), prefix + name
+    if layout is None or key not in state_dict:
       continue
     value = state_dict[key]
-    if tuple(value.shape) == tuple(layout.shape) and layout.is_rows(p):
+    if tuple(value.shape) == tuple(layout.shape):
       with torch.no_grad():
         p.data = place_rows(value.to(p.dtype), layout)
       state_dict[key] = p.data  # copy_ of a tensor to itself does nothing
@@ -409,8 +420,8 @@ def _module_load_pre_hook(module, state_dict, prefix, *args):
 
 def _refuse_forward_outside_step(module, args):
   for name, p in module._parameters.items():
-    layout = layout_of(p) if p is not None else None
-    if layout is not None and layout.params and layout.is_rows(p):
+    layout = rows_layout(p)
+    if layout is not None:
       raise RuntimeError(
         f"{type(module).__name__}.forward outside strategy.run: its parameter {name!r} is "
         "sharded over the replicas (experimental_sharding=ShardingOptions(shard="

@@ -41,7 +41,6 @@ class StepWrites:
     "optimizer_clean",
     "aggregated_grads",
     "sharded",
-    "kept_grads",
   )
 
   def __init__(self, region):
@@ -60,7 +59,6 @@ class StepWrites:
     self.created = set()  # ids of variables made inside the step
     self.optimizer_clean = {}  # id(optimizer) -> aggregated params it may sanction
     self.sharded = ShardedStep(region)  # sharded parameters (sharded_state.py)
-    self.kept_grads = {}  # id(parameter) -> its kept gradients' global (sharded_state.keep_grads)
 
   def watch(self, t):
     self._pins.append(torch.ops.aten.alias(t.data))

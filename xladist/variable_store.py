@@ -331,10 +331,12 @@ class VariableStore:
 
   @staticmethod
   def optimizer_state_slots(optimizer):
-    for state in optimizer.state.values():
-      for key, v in state.items():
+    """(parameter, its state dict, key, device tensor) of each device tensor in
+    the optimizer's state (host values such as step counters are not slots)."""
+    for p, state in optimizer.state.items():
+      for key, v in list(state.items()):
         if isinstance(v, torch.Tensor) and _runtime.is_device_tensor(v):
-          yield state, key, v
+          yield p, state, key, v
 
   def enter(self, step):
     """Swaps every variable (and its grad) and optimizer state for its local view.
@@ -350,8 +352,9 @@ class VariableStore:
     for t, *_ in step.variables:
       if id(t) in step.sharded.rows:
         step.watch(t)
-        if id(t) in step.kept_grads:
-          t.grad = _runtime.to_local(step.kept_grads[id(t)]).squeeze(0)
+        kept = sharded_state.kept_grads(t)
+        if kept is not None:
+          t.grad = _runtime.to_local(kept).squeeze(0)
     for optimizer in self.optimizers():
       self.enter_optimizer(optimizer, step)
 
@@ -403,9 +406,6 @@ class VariableStore:
       step.sharded.enter(t, _runtime.to_local(_runtime.ensure_sharded(data)), layout)
       t.data = step.sharded.rows[id(t)]
       step.variables.append((t, data, grad, policy))
-      grads = sharded_state.kept_grads(t)
-      if grads is not None:
-        step.kept_grads[id(t)] = grads
       return
     if local is None:
       copies = copies_of(t)
@@ -426,15 +426,10 @@ class VariableStore:
     step.optimizers.append((optimizer, snapshot))
     if self.sharding is not None:
       sharded_state.watch_optimizer(optimizer)
-    for p, state in optimizer.state.items():
-      layout = sharded_state.layout_of(p)
-      for key, v in list(state.items()):
-        if not (isinstance(v, torch.Tensor) and _runtime.is_device_tensor(v)):
-          continue
-        local = _runtime.to_local(_runtime.ensure_sharded(v))
-        if layout is not None and v.dim() > 0:
-          local = layout.local_row(local, step.region.replica_id)
-        state[key] = local
+    for p, state, key, v in list(self.optimizer_state_slots(optimizer)):
+      local = _runtime.to_local(_runtime.ensure_sharded(v))
+      layout = sharded_state.state_layout(p, v)
+      state[key] = local if layout is None else layout.local_row(local, step.region.replica_id)
 
   def exit(self, step, to_global):
     """Swaps the local views back for global ones.
@@ -503,15 +498,9 @@ class VariableStore:
       if copies is not None:
         copies.restamp(t)
     for optimizer, _ in step.optimizers:
-      for p, state in optimizer.state.items():
-        layout = sharded_state.layout_of(p)
-        for key, v in list(state.items()):
-          if not (isinstance(v, torch.Tensor) and _runtime.is_device_tensor(v)):
-            continue
-          if layout is not None and v.dim() > 0:
-            state[key] = sharded_state.to_global_rows(v, layout)
-          else:
-            state[key] = to_global(v)
+      for p, state, key, v in list(VariableStore.optimizer_state_slots(optimizer)):
+        layout = sharded_state.state_layout(p, v)
+        state[key] = to_global(v) if layout is None else sharded_state.to_global_rows(v, layout)
     self.active_step = None
     count_traced_step(-1)
 

@@ -330,10 +330,7 @@ class StepEngine:
     `total_norm`: torch's function. None when nothing is sharded."""
     if self._in_this_step() is None:
       return None
-    sharded = self.region.step.sharded
-    rows_ids = sharded.grad_row_ids()
-    if not rows_ids:
-      return None
+    rows_ids = self.region.step.sharded.grad_row_ids()
     rows = [t for t in tensors if id(t) in rows_ids]
     whole = [t for t in tensors if id(t) not in rows_ids]
     if not rows:
