@@ -366,3 +366,43 @@ def test_grad_after_the_update_in_the_step_is_the_aggregate_or_none(clip):
   assert len(set(mirrored)) == 1 and mirrored[0] != 0.0  # the aggregate, on every replica
   assert grads_after_update("optimizer_state")[0] == pytest.approx(mirrored, rel=1e-5)
   assert grads_after_update("gradients")[0] == [0.0] * N
+
+
+_OPTIMIZERS = {
+  "RAdam": lambda p: torch.optim.RAdam(p, lr=1e-2),
+  "NAdam": lambda p: torch.optim.NAdam(p, lr=1e-2),
+  "ASGD": lambda p: torch.optim.ASGD(p, lr=1e-2, t0=2),
+  "Adagrad": lambda p: torch.optim.Adagrad(p, lr=1e-2),
+  "Rprop": lambda p: torch.optim.Rprop(p, lr=1e-2),
+  "Adamax": lambda p: torch.optim.Adamax(p, lr=1e-2),
+  "Adadelta": lambda p: torch.optim.Adadelta(p, lr=1.0),
+  "RMSprop": lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.9),
+  "Adam-amsgrad": lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True),
+}
+
+
+@pytest.mark.xla_depth
+@pytest.mark.parametrize("name", list(_OPTIMIZERS))
+def test_every_elementwise_optimizer_runs_on_rows(name):
+  """torch's other elementwise optimizers (host step counters, ASGD's host
+  scalars, Rprop's capturable path, amsgrad's extra state) with a StepLR, 8
+  steps under "parameters": equal to the unsharded run."""
+
+  def loop(level):
+    strategy = make_strategy(level)
+    with strategy.scope():
+      model = make_model()
+      opt = _OPTIMIZERS[name](model.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, 3, 0.5)
+
+    def step(tokens, targets):
+      F.cross_entropy(model(tokens), targets).backward()
+      opt.step()
+      opt.zero_grad()
+
+    for x, y in make_data(8):
+      strategy.run(step, args=(split(strategy, x), split(strategy, y)))
+      sched.step()
+    return state_tensors(model, opt)
+
+  assert_equal_by_scale(loop("parameters"), loop(None))
