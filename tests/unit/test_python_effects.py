@@ -10,8 +10,11 @@ while tracing (tensorflow/python/eager/polymorphic_function/polymorphic_function
 testPythonSideEffects-style cases); xladist instead traces such a step at every call.
 """
 
+import copy
+import gc
 import logging
 import random
+import weakref
 
 import pytest
 import torch
@@ -179,6 +182,82 @@ def test_what_the_step_makes_itself_is_not_a_write():
   assert recorder.why_not_replayed() is None, recorder.writes
   # nor are its objects guarded (they die with the step)
   assert not any(loc.kind == "item" for loc, _ in recorder.locations())
+
+
+def test_objects_a_library_makes_in_the_step_are_the_steps_own():
+  """Born in the step without a Python __init__ of its own: copies, a list made by
+  a builtin; the garbage collector began tracking them during the trace."""
+  ema = Ema()
+
+  def step(x):
+    shadow = copy.copy(ema)  # (Ema.__init__ does not run)
+    shadow.num_updates = 5
+    seen = list(range(2))
+    seen.append(x)
+    return shadow, seen
+
+  recorder, _ = _record(step, 1)
+  assert recorder.why_not_replayed() is None, recorder.writes
+
+
+def _dict_made_before():
+  return dict(beta=0.9)  # atomic values: CPython does not track it
+
+
+@pytest.mark.parametrize(
+  "how",
+  ["argument", "alias", "display or argument", "after a freeze of the user's"],
+)
+def test_a_dict_of_plain_values_made_before_the_step_is_written(how):
+  """A dict of atomic values is not tracked by the collector, so tracking does not
+  date it: only a local that the frame binds to dict displays alone is the step's
+  own; any other such dict is older than the step, and writing it stops replay."""
+  cfg = _dict_made_before()
+  assert not gc.is_tracked(cfg)
+
+  def by_argument(d):
+    d["beta"] = 0.5
+
+  def by_alias(d):
+    alias = d
+    alias["beta"] = 0.5
+
+  def display_or_argument(d, fresh=False):
+    out = d if not fresh else {}  # a jump lands on the store: not a display alone
+    out["beta"] = 0.5
+
+  fn = {"argument": by_argument, "alias": by_alias, "display or argument": display_or_argument}
+  frozen_before = gc.get_freeze_count()
+  if how == "after a freeze of the user's":
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    try:
+      recorder, _ = _record(by_argument, cfg)
+      assert gc.get_freeze_count() == frozen  # the user's freeze is left as it was
+    finally:
+      gc.unfreeze()
+  else:
+    recorder, _ = _record(fn[how], cfg)
+    assert gc.get_freeze_count() <= frozen_before  # the recorder's own freeze undone
+  assert "sets an item of " in (recorder.why_not_replayed() or ""), recorder.writes
+
+
+def test_garbage_made_before_the_trace_is_collected_as_young_garbage_after_it():
+  """The recorder freezes the collector's generations for the trace; garbage of the
+  young generations must not come back as old (collected only by a full collection:
+  an abandoned input iterator's prefetch thread lived on)."""
+
+  class Node:
+    pass
+
+  collected = []
+  node = Node()
+  node.me = node  # a cycle: only the collector frees it
+  weakref.finalize(node, collected.append, "node")
+  del node
+  _record(lambda: 1)
+  gc.collect(1)  # the young generations only
+  assert collected == ["node"]
 
 
 def test_a_nonlocal_of_the_enclosing_function_is_a_write_and_its_own_cell_is_not():

@@ -105,7 +105,7 @@ takes a fresh key as an input.
 
 import functools
 
-from xladist.runtime import torchax_lowerings
+from xladist.runtime import torchax_conversions, torchax_lowerings
 
 _installed = []
 
@@ -414,4 +414,5 @@ def install():
   for name in _GRAPH_CUTTING_METHODS:  # fix 5
     setattr(txt.Tensor, name, _recorded_under_autograd(getattr(txt.Tensor, name), name))
   txt.Tensor.data = property(_data_alias, txt.Tensor.data.fset)  # fix 6
+  torchax_conversions.install()  # not a fix: the operand conversions without torch's pytree
   _installed.append((lowered_function, lowered_dispatch))
