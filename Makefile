@@ -25,7 +25,7 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH),)
 WHERE_XLADIST := -c 'import sys; del sys.path[0]; import os, xladist; \
 	print(os.path.dirname(os.path.dirname(os.path.realpath(xladist.__file__))))'
 
-.PHONY: own-code which-xladist test-ecosystem test-xla-ecosystem test-jax-ecosystem bench-scaling bench-memory bench-sharding venv venv-jax venv-jax-new test-jax test-jax-old test-jax-old-shared test-jax-old-rest test-jax-new test-xla check demo charlm demo-ps bench-ps test lint bench bench-input bench-collectives bench-logical \
+.PHONY: own-code which-xladist test-ecosystem test-xla-ecosystem test-jax-ecosystem bench-scaling bench-memory bench-sharding venv venv-jax venv-jax-new test-jax test-jax-old test-jax-new test-xla check demo charlm demo-ps bench-ps test lint bench bench-input bench-collectives bench-logical \
 	gpu-wheels gpu-check \
 	bench-first-step bench-checkpoint plots clean-venv
 
@@ -72,12 +72,8 @@ LINT_PATHS := xladist tests bench examples
 # The three suites share no state (each its own processes, environment, ports and
 # temporary folders): they run side by side, each printing its output when it ends
 # and how long it took. docs/testing.md has the measurements behind this.
-# The oldest jax environment's suite, the longest, runs as two processes (tests/shared,
-# and the rest): four on two cores end together, where three left one core idle at the
-# end (docs/testing.md).
 test: venv venv-jax venv-jax-new lint
-	@$(MAKE) --no-print-directory -j4 --output-sync=target test-xla test-jax-old-shared \
-	  test-jax-old-rest test-jax-new
+	@$(MAKE) --no-print-directory -j3 --output-sync=target test-xla test-jax-old test-jax-new
 
 # `[time] NAME: N s` after a command, keeping its exit status.
 TIMED = start=$$(date +%s); $(1); rc=$$?; echo "[time] $@: $$(( $$(date +%s) - start )) s (exit $$rc)"; exit $$rc
@@ -170,14 +166,8 @@ JAX_TEST_ENV := XLADIST_BACKEND=jax JAX_PLATFORMS=cpu XLADIST_XLA_PYTHON=$(PY)
 test-jax: venv venv-jax venv-jax-new
 	@$(MAKE) --no-print-directory -j2 --output-sync=target test-jax-old test-jax-new
 
-JAX_OLD_PYTEST := $(JAX_TEST_ENV) $(JAX_PY) -m pytest -q -p no:cacheprovider -m "not ecosystem_matrix and not xla_depth"
-test-jax-old: test-jax-old-shared test-jax-old-rest
-
-test-jax-old-shared: venv venv-jax own-code
-	@$(call TIMED,$(JAX_OLD_PYTEST) $(filter tests/shared,$(JAX_TESTS)))
-
-test-jax-old-rest: venv venv-jax own-code
-	@$(call TIMED,$(JAX_OLD_PYTEST) $(filter-out tests/shared,$(JAX_TESTS)))
+test-jax-old: venv venv-jax own-code
+	@$(call TIMED,$(JAX_TEST_ENV) $(JAX_PY) -m pytest -q -p no:cacheprovider -m "not ecosystem_matrix and not xla_depth" $(JAX_TESTS))
 
 # The newest environment leaves out the full optimizer x scheduler matrix (15 models
 # per step, about 75 s there), which torch_xla and the oldest run; its one-loop cases
