@@ -18,6 +18,14 @@ dataclass), and any operand the walk does not convert as torchax would (a host
 tensor given to `t2j_iso`), goes to torchax's own method: the result is always
 torchax's. tests/runtime_jax/test_torchax_conversions.py compares the two on
 every kind of structure.
+
+`dispatch` itself also maps `(args, kwargs)` of every op with
+`torch_pytree.tree_map_only` (waiting on any AsyncCollectiveTensor operand): about
+11 % of the same AdamW case in cProfile. torchax.tensor's name `torch_pytree` becomes
+`_PytreeForTorchax`: torch's pytree module with `tree_map_only` walked the same way
+(types only, no `is_leaf`; the structure is checked before `func` runs, so an
+unusual structure goes to torch's function with no call made twice); every other
+name is torch's own.
 """
 
 _installed = []
@@ -40,6 +48,35 @@ def _walk(tree, convert, opened):
   if kind in opened or isinstance(tree, (tuple, list, dict)):
     raise _Unusual  # a named tuple, structseq, OrderedDict, deque, dataclass, torch.Size
   return convert(tree)
+
+
+def _plain(tree, opened):
+  """Whether `tree` is exact tuples, lists and dicts down to leaves torch's pytree
+  does not open."""
+  kind = type(tree)
+  if kind is tuple or kind is list:
+    return all([_plain(x, opened) for x in tree])
+  if kind is dict:
+    return all([_plain(v, opened) for v in tree.values()])
+  return not (kind in opened or isinstance(tree, (tuple, list, dict)))
+
+
+class _PytreeForTorchax:
+  """torch's pytree module as torchax.tensor sees it: `tree_map_only` over a type
+  (or a tuple of types) walks exact tuples, lists and dicts directly, as torch's
+  does (leaves in the same order, new containers); anything else is torch's."""
+
+  def __init__(self, real):
+    self._real = real
+    self._opened = real.SUPPORTED_NODES  # a live dict: registrations show at once
+
+  def __getattr__(self, name):
+    return getattr(self._real, name)
+
+  def tree_map_only(self, kind, func, tree, is_leaf=None):
+    if is_leaf is not None or not isinstance(kind, (type, tuple)) or not _plain(tree, self._opened):
+      return self._real.tree_map_only(kind, func, tree, is_leaf=is_leaf)
+    return _walk(tree, lambda x: func(x) if isinstance(x, kind) else x, self._opened)
 
 
 def install():
@@ -84,6 +121,8 @@ def install():
   def to_torchax(self, x):
     return txt.Tensor(x, self) if isinstance(x, jax.Array) else x
 
+  if not isinstance(txt.torch_pytree, _PytreeForTorchax):
+    txt.torch_pytree = _PytreeForTorchax(txt.torch_pytree)
   env_class.t2j_iso = fast("t2j_iso", to_jax)
   env_class.v2t_iso = fast("v2t_iso", view_to_tensor)
   env_class.j2t_iso = fast("j2t_iso", to_torchax)
