@@ -109,35 +109,40 @@ def test_sgd_momentum_accumulating_under_run_steps_trains_as_mirrored(
   assert_equal_by_scale(got, mirrored_sgd_accumulation)
 
 
+def _kept_between_runs_loop(level):
+  """8 `run` calls alternating a backward-only step and a step that also updates:
+  SGD with momentum."""
+  strategy = make_strategy(level)
+  with strategy.scope():
+    model = make_model(bn=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+  def accumulate(tokens, targets):
+    F.cross_entropy(model(tokens), targets).backward()
+
+  def step(tokens, targets):
+    F.cross_entropy(model(tokens), targets).backward()
+    opt.step()
+    opt.zero_grad()
+
+  for i, (x, y) in enumerate(make_data(8)):
+    strategy.run(accumulate if i % 2 == 0 else step, args=(split(strategy, x), split(strategy, y)))
+  return state_tensors(model, opt)
+
+
+@pytest.fixture(scope="module")
+def mirrored_kept_between_runs():
+  return _kept_between_runs_loop(None)
+
+
 @pytest.mark.parametrize(
   "level", [pytest.param("gradients", marks=pytest.mark.xla_depth), "parameters"]
 )
-def test_gradients_kept_between_runs_accumulate_as_mirrored(level):
+def test_gradients_kept_between_runs_accumulate_as_mirrored(level, mirrored_kept_between_runs):
   """Accumulation over several `run` calls: a step with backward() only keeps
   each replica's partial gradient (no collective), the next step's
   optimizer.step() aggregates the sum, as without sharding."""
-
-  def loop(lvl):
-    strategy = make_strategy(lvl)
-    with strategy.scope():
-      model = make_model(bn=False)
-      opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-
-    def accumulate(tokens, targets):
-      F.cross_entropy(model(tokens), targets).backward()
-
-    def step(tokens, targets):
-      F.cross_entropy(model(tokens), targets).backward()
-      opt.step()
-      opt.zero_grad()
-
-    for i, (x, y) in enumerate(make_data(8)):
-      strategy.run(
-        accumulate if i % 2 == 0 else step, args=(split(strategy, x), split(strategy, y))
-      )
-    return state_tensors(model, opt)
-
-  assert_equal_by_scale(loop(level), loop(None))
+  assert_equal_by_scale(_kept_between_runs_loop(level), mirrored_kept_between_runs)
 
 
 @pytest.mark.xla_depth
