@@ -28,7 +28,7 @@ WHERE_XLADIST := -c 'import sys; del sys.path[0]; import os, importlib.util; \
 	spec = importlib.util.find_spec("xladist"); \
 	print(os.path.dirname(os.path.dirname(os.path.realpath(spec.origin))) if spec else "nowhere")'
 
-.PHONY: own-code which-xladist test-ecosystem test-xla-ecosystem test-jax-ecosystem bench-scaling bench-memory bench-sharding venv venv-jax venv-jax-new test-jax test-jax-old test-jax-new test-xla check demo charlm demo-ps bench-ps test lint bench bench-input bench-collectives bench-logical \
+.PHONY: own-code which-xladist test-ecosystem test-jax-matrix test-xla-ecosystem test-jax-ecosystem bench-scaling bench-memory bench-sharding venv venv-jax venv-jax-new test-jax test-jax-old test-jax-new test-xla check demo charlm demo-ps bench-ps test lint bench bench-input bench-collectives bench-logical \
 	gpu-wheels gpu-check \
 	bench-first-step bench-checkpoint plots clean-venv
 
@@ -85,8 +85,9 @@ test-xla: venv own-code
 	@$(call TIMED,$(CPU_ENV) $(RUN) -m pytest -q -p no:cacheprovider -m "not ecosystem_matrix" tests --ignore=tests/runtime_jax)
 
 # The ecosystem's nine models x two loops (tests/ecosystem/test_models.py) on
-# torch_xla and on jax 0.10.2, side by side: about 5 minutes more, so not in `make
-# test` (kept at 12 minutes); `.ci/run` runs it after `make test`. `make test` runs
+# torch_xla and on jax 0.10.2, side by side, and the optimizer x scheduler matrix's
+# 15-models cases on jax 0.10.2 (`test-jax-matrix`): about 5 minutes more, so not in
+# `make test` (kept at 12 minutes); `.ci/run` runs it after `make test`. `make test` runs
 # the rest of tests/ecosystem (the import order, the Hugging Face example) everywhere.
 # Each runtime's models run in three processes of three models each: every compiled
 # XLA:CPU program keeps memory mappings, and one process that compiled the 18 cases
@@ -97,7 +98,7 @@ ecosystem_groups = rc=0; for k in $(ECOSYSTEM_GROUPS); do $(1) -m pytest -q -p n
 	-m ecosystem_matrix tests/ecosystem -k "$$k" || rc=1; done; test $$rc = 0
 
 test-ecosystem: venv venv-jax
-	@$(MAKE) --no-print-directory -j2 --output-sync=target test-xla-ecosystem test-jax-ecosystem
+	@$(MAKE) --no-print-directory -j3 --output-sync=target test-xla-ecosystem test-jax-ecosystem test-jax-matrix
 
 test-xla-ecosystem: venv
 	@$(call TIMED,$(call ecosystem_groups,$(CPU_ENV) $(RUN)))
@@ -170,11 +171,18 @@ test-jax: venv venv-jax venv-jax-new
 	@$(MAKE) --no-print-directory -j2 --output-sync=target test-jax-old test-jax-new
 
 test-jax-old: venv venv-jax own-code
-	@$(call TIMED,$(JAX_TEST_ENV) $(JAX_PY) -m pytest -q -p no:cacheprovider -m "not ecosystem_matrix and not xla_depth" $(JAX_TESTS))
+	@$(call TIMED,$(JAX_TEST_ENV) $(JAX_PY) -m pytest -q -p no:cacheprovider -m "not full_matrix and not ecosystem_matrix and not xla_depth" $(JAX_TESTS))
 
-# The newest environment leaves out the full optimizer x scheduler matrix (15 models
-# per step, about 75 s there), which torch_xla and the oldest run; its one-loop cases
-# (every optimizer and scheduler) run here too.
+# The optimizer x scheduler matrix's 15-models-per-step cases on jax 0.10.2 (12 cases,
+# about 120 CPU-s: a tenth of `make test`'s CPU on two cores): in `make test-ecosystem`,
+# which `.ci/run` runs after `make test`; torch_xla runs them in `make test`, and both jax
+# environments run the one-loop cases (every optimizer and scheduler) there.
+test-jax-matrix: venv-jax own-code
+	@$(call TIMED,$(JAX_TEST_ENV) $(JAX_PY) -m pytest -q -p no:cacheprovider -m full_matrix tests/shared/test_optimizers_and_schedulers.py)
+
+# Neither jax environment runs the full optimizer x scheduler matrix (15 models per
+# step) here: torch_xla does, and `test-jax-matrix` on jax 0.10.2; the one-loop cases
+# (every optimizer and scheduler) run here in both.
 test-jax-new: venv venv-jax-new own-code
 	@$(call TIMED,$(JAX_TEST_ENV) $(JAX_NEW_PY) -m pytest -q -p no:cacheprovider -m "not full_matrix and not ecosystem_matrix and not xla_depth" $(JAX_TESTS))
 

@@ -16,9 +16,10 @@ on them are retraced by `tf.function` when a Python value changes
 (tensorflow/python/eager/polymorphic_function, "retracing").
 
 One process per runtime: `make test` runs this file on torch_xla and, through
-tests/shared, in both jax environments (the newest leaves out the 15-models cases,
-`full_matrix`, about 75 s there: the one-loop cases cover every optimizer and
-scheduler in it).
+tests/shared, in both jax environments, whose suites leave out the 15-models cases
+(`full_matrix`, about 120 CPU-s on jax): `make test-ecosystem` (after `make test` in
+`.ci/run`) runs them on jax 0.10.2; the one-loop cases cover every optimizer and
+scheduler in both.
 """
 
 import pytest
