@@ -18,21 +18,6 @@ import torch  # noqa: E402
 
 import xladist as xd  # noqa: E402
 
-# Files whose tests run several processes at once (a parameter-server cluster, two
-# checkpointing hosts, a chief and a worker) run last in their suite: `make test` runs
-# three suites on two cores, the last one to end runs alone, and these use both cores
-# where an in-process test would leave one idle (docs/testing.md). Order within a file
-# is kept; no test depends on another file's.
-_SEVERAL_PROCESSES_AT_ONCE = (
-  "test_parameter_server.py",
-  "test_checkpoint_sharded.py",
-  "test_multiprocess.py",
-)
-
-
-def pytest_collection_modifyitems(items):
-  items.sort(key=lambda item: item.path.name in _SEVERAL_PROCESSES_AT_ONCE)
-
 
 @pytest.fixture
 def strategy():
