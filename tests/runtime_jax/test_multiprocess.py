@@ -7,6 +7,10 @@ and a worker, each with 2 XLA:CPU devices (`CPU_NUM_DEVICES=2`,
 coordinator at the chief's address, bound to 127.0.0.1 only through
 `JAX_COORDINATOR_BIND_ADDRESS`; gloo collectives). Every process has a
 timeout and is killed by pid at the end of its test, also when it fails.
+The one-process reference (MirroredStrategy over 4 devices) is the same
+worker code run in this test process (4 XLA:CPU devices, tests/runtime_jax/
+conftest.py) while the two processes train: a process start costs about 5
+CPU-s, and this one already has what the reference needs.
 
 What TF checks for its MultiWorkerMirroredStrategy, on a cluster of real
 servers (`multi_worker_test_base.create_in_process_cluster`), in
@@ -36,10 +40,13 @@ import time
 import pytest
 import torch
 
+from xladist import runtime
+
 HERE = pathlib.Path(__file__).parent
 sys.path.insert(0, str(HERE.parent))  # tests/: the shared models
 
 import _models  # noqa: E402
+import _mwms_worker  # noqa: E402  (tests/runtime_jax/: the same code as the processes')
 import _xla_flags  # noqa: E402
 
 WORKER = HERE / "_mwms_worker.py"
@@ -141,9 +148,17 @@ def processes(tmp_path):
     assert all(proc.poll() is not None for proc, _, _ in p.procs.values())
 
 
-def _results(processes, tmp_path, start, names=("chief", "worker", "single")):
-  """Waits for the chief, the worker and the one-process run (bounded from
-  `start`), each exiting 0; their results."""
+def _one_process(mode, out, extra):
+  """The worker's `mode` run in this process (no TF_CONFIG here: MirroredStrategy
+  over this process's 4 devices), as the one-process reference; its result."""
+  assert not os.environ.get("TF_CONFIG") and runtime.num_devices() == 4
+  _mwms_worker.main(mode, str(out), str(extra))
+  return torch.load(out, weights_only=False)
+
+
+def _results(processes, tmp_path, start, names=("chief", "worker")):
+  """Waits for the chief and the worker (bounded from `start`), each exiting 0;
+  their results."""
   for name in names:
     left = max(1.0, PROCESS_TIMEOUT - (time.monotonic() - start))
     try:
@@ -173,13 +188,11 @@ def test_two_processes_replay_adamw_with_a_schedule_like_one_process(processes, 
     ("chief", _task_env(cluster, "chief", **extra)),
     ("worker", _task_env(cluster, "worker", **extra)),
   ]
-  if not _ONE_PROCESS_REPLAY:  # (run once for both cases)
-    runs.append(("single", _env(4)))
   for name, env in runs:
     processes.start(name, ["replay", tmp_path / f"{name}.pt", "-"], env)
-  results = _results(processes, tmp_path, start, [name for name, _ in runs])
-  _ONE_PROCESS_REPLAY.extend(results[2:])
-  (chief, worker), single = results[:2], _ONE_PROCESS_REPLAY[0]
+  if not _ONE_PROCESS_REPLAY:  # (run once for both cases, while the two processes run)
+    _ONE_PROCESS_REPLAY.append(_one_process("replay", tmp_path / "single.pt", "-"))
+  (chief, worker), single = _results(processes, tmp_path, start), _ONE_PROCESS_REPLAY[0]
   for result in (chief, worker, single):
     assert result["traces"] <= 3 and result["replays"] == 20 - result["traces"], result["reasons"]
   assert chief["losses"] == worker["losses"]
@@ -205,14 +218,10 @@ def test_two_processes_train_like_one_process_and_plain_torch(processes, tmp_pat
   cluster = _cluster()
   ckpt = tmp_path / "ckpt.pt"
   start = time.monotonic()
-  for name, env in (
-    ("chief", _task_env(cluster, "chief")),
-    ("worker", _task_env(cluster, "worker")),
-    ("single", _env(4)),
-  ):
-    path = ckpt if name != "single" else tmp_path / "single-ckpt.pt"
-    processes.start(name, ["train", tmp_path / f"{name}.pt", path], env)
-  chief, worker, single = _results(processes, tmp_path, start)
+  for name in ("chief", "worker"):
+    processes.start(name, ["train", tmp_path / f"{name}.pt", ckpt], _task_env(cluster, name))
+  single = _one_process("train", tmp_path / "single.pt", tmp_path / "single-ckpt.pt")
+  chief, worker = _results(processes, tmp_path, start)
 
   state = _models.initial_state("mlp")
   xs, ys = _models.make_data("mlp", 4, steps=3)

@@ -14,10 +14,12 @@ statistics) and losses (`strategy.reduce(MEAN)` of the per-replica losses) agree
 to 1e-5, and after the first two steps (step 1 makes the optimizer's state)
 nothing compiles.
 
-JAX fixes its device count when it starts, so each device count runs in one
-child process (this file run as a script, `--child N`) that trains every model
-and prints its results as JSON; the 4-device child also trains the MLP under
-`xd.OneDeviceStrategy`. The tests read each child's results once (module scope).
+JAX fixes its device count when it starts, so the 1- and 2-device counts each
+run in one child process (this file run as a script, `--child N`) that trains
+every model and prints its results as JSON; 4 devices train in this (pytest)
+process, which has them (tests/runtime_jax/conftest.py), and also train the MLP
+under `xd.OneDeviceStrategy`. The tests read each device count's results once
+(module scope).
 
 Plain BatchNorm under MirroredStrategy normalizes each replica's own rows (TF's
 BatchNormalization does the same), which is not the global-batch reference with
@@ -163,7 +165,9 @@ def _train_xladist(xd, rt, strategy, name, sync_bn):
   }
 
 
-def _child(n):
+def _train_every_model(n):
+  """Every model's run on this process's `n` devices (a case that fails keeps
+  its error), and the device count."""
   import xladist as xd
   from xladist import runtime as rt
 
@@ -179,13 +183,25 @@ def _child(n):
       frames = "".join(traceback.format_tb(e.__traceback__)[-25:])
       results[case] = {"error": f"{frames}{type(e).__name__}: {str(e)[:1500]}"}
   results["num_devices"] = rt.num_devices()
-  print(MARK + json.dumps(results), flush=True)
+  return results
+
+
+def _child(n):
+  print(MARK + json.dumps(_train_every_model(n)), flush=True)
 
 
 # -- the tests -----------------------------------------------------------------------------
 
 
 def _run_child(n):
+  """The results for `n` devices: from this process where it has `n` devices (a
+  child costs about 5 CPU-s to start), else from a child process."""
+  from xladist import runtime as rt
+
+  if rt.num_devices() == n:
+    results = json.loads(json.dumps(_train_every_model(n)))  # as a child's arrive
+    assert results["num_devices"] == n
+    return results
   import _xla_flags  # tests/ (on the path in pytest, not in the child)
 
   env = dict(os.environ)
