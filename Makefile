@@ -76,7 +76,7 @@ LINT_PATHS := xladist tests bench examples
 # temporary folders): they run side by side, each printing its output when it ends
 # and how long it took. docs/testing.md has the measurements behind this.
 # The torch_xla suite needs the most CPU (about 490 of 1,350 CPU-s); at equal priority
-# the jax suites ended 60-70 s before it, one core idle meanwhile. At nice 1 they yield
+# the jax suites ended 57-90 s before it, one core idle meanwhile. At nice 1 they yield
 # it a little more CPU while all three run (docs/testing.md).
 test: venv venv-jax venv-jax-new lint
 	@$(MAKE) --no-print-directory -j3 --output-sync=target JAX_NICE="nice -n 1" test-xla test-jax-old test-jax-new
@@ -184,9 +184,7 @@ test-jax-old: venv venv-jax own-code
 test-jax-matrix: venv-jax own-code
 	@$(call TIMED,$(JAX_TEST_ENV) $(JAX_PY) -m pytest -q -p no:cacheprovider -m full_matrix tests/shared/test_optimizers_and_schedulers.py)
 
-# Neither jax environment runs the full optimizer x scheduler matrix (15 models per
-# step) here: torch_xla does, and `test-jax-matrix` on jax 0.10.2; the one-loop cases
-# (every optimizer and scheduler) run here in both.
+# (Like test-jax-old: the 15-models matrix cases are test-jax-matrix's.)
 test-jax-new: venv venv-jax-new own-code
 	@$(call TIMED,$(JAX_TEST_ENV) $(JAX_NICE) $(JAX_NEW_PY) -m pytest -q -p no:cacheprovider -m "not full_matrix and not ecosystem_matrix and not xla_depth" $(JAX_TESTS))
 
