@@ -50,6 +50,7 @@ import _mwms_worker  # noqa: E402  (tests/runtime_jax/: the same code as the pro
 import _xla_flags  # noqa: E402
 
 WORKER = HERE / "_mwms_worker.py"
+HOSTS = ("chief", "worker")  # the two processes of every test
 TOL = 1e-6
 PROCESS_TIMEOUT = 300  # seconds any process of a test may run
 LOST_PEER_TIMEOUT = 20  # CommunicationOptions.timeout_seconds with a killed peer
@@ -156,17 +157,17 @@ def _one_process(mode, out, extra):
   return torch.load(out, weights_only=False)
 
 
-def _results(processes, tmp_path, start, names=("chief", "worker")):
+def _results(processes, tmp_path, start):
   """Waits for the chief and the worker (bounded from `start`), each exiting 0;
   their results."""
-  for name in names:
+  for name in HOSTS:
     left = max(1.0, PROCESS_TIMEOUT - (time.monotonic() - start))
     try:
       rc = processes.wait(name, left)
     except subprocess.TimeoutExpired:
       pytest.fail(f"{name} did not finish within {PROCESS_TIMEOUT} s\n{processes.log(name)}")
     assert rc == 0, processes.log(name)
-  return [torch.load(tmp_path / f"{n}.pt", weights_only=False) for n in names]
+  return [torch.load(tmp_path / f"{n}.pt", weights_only=False) for n in HOSTS]
 
 
 _ONE_PROCESS_REPLAY = []  # the one unsharded process's run, the same for every `shard`
@@ -184,12 +185,10 @@ def test_two_processes_replay_adamw_with_a_schedule_like_one_process(processes, 
   cluster = _cluster()
   start = time.monotonic()
   extra = {"XLADIST_TEST_SHARD": shard} if shard else {}
-  runs = [
-    ("chief", _task_env(cluster, "chief", **extra)),
-    ("worker", _task_env(cluster, "worker", **extra)),
-  ]
-  for name, env in runs:
-    processes.start(name, ["replay", tmp_path / f"{name}.pt", "-"], env)
+  for name in HOSTS:
+    processes.start(
+      name, ["replay", tmp_path / f"{name}.pt", "-"], _task_env(cluster, name, **extra)
+    )
   if not _ONE_PROCESS_REPLAY:  # (run once for both cases, while the two processes run)
     _ONE_PROCESS_REPLAY.append(_one_process("replay", tmp_path / "single.pt", "-"))
   (chief, worker), single = _results(processes, tmp_path, start), _ONE_PROCESS_REPLAY[0]
@@ -218,7 +217,7 @@ def test_two_processes_train_like_one_process_and_plain_torch(processes, tmp_pat
   cluster = _cluster()
   ckpt = tmp_path / "ckpt.pt"
   start = time.monotonic()
-  for name in ("chief", "worker"):
+  for name in HOSTS:
     processes.start(name, ["train", tmp_path / f"{name}.pt", ckpt], _task_env(cluster, name))
   single = _one_process("train", tmp_path / "single.pt", tmp_path / "single-ckpt.pt")
   chief, worker = _results(processes, tmp_path, start)
@@ -276,7 +275,7 @@ def test_a_lost_worker_makes_the_chief_fail_with_a_clear_error(processes, tmp_pa
   cluster = _cluster()
   timeout = LOST_PEER_TIMEOUT if peer == "killed" else STALLED_PEER_TIMEOUT
   extra = {"XLADIST_TEST_TIMEOUT": str(timeout)}
-  for name in ("chief", "worker"):
+  for name in HOSTS:
     processes.start(
       name,
       ["kill", tmp_path / f"{name}.pt", tmp_path / f"{name}.step1"],
@@ -284,7 +283,7 @@ def test_a_lost_worker_makes_the_chief_fail_with_a_clear_error(processes, tmp_pa
     )
   deadline = time.monotonic() + PROCESS_TIMEOUT
   while not (tmp_path / "worker.step1").exists():
-    for name in ("chief", "worker"):
+    for name in HOSTS:
       assert processes.procs[name][0].poll() is None, processes.log(name)
     assert time.monotonic() < deadline, processes.log("worker")
     time.sleep(0.1)

@@ -194,14 +194,7 @@ def _child(n):
 
 
 def _run_child(n):
-  """The results for `n` devices: from this process where it has `n` devices (a
-  child costs about 5 CPU-s to start), else from a child process."""
-  from xladist import runtime as rt
-
-  if rt.num_devices() == n:
-    results = json.loads(json.dumps(_train_every_model(n)))  # as a child's arrive
-    assert results["num_devices"] == n
-    return results
+  """A child process with `n` devices trains every model: its results."""
   import _xla_flags  # tests/ (on the path in pytest, not in the child)
 
   env = dict(os.environ)
@@ -228,7 +221,18 @@ def _run_child(n):
     f"child with {n} devices failed (rc {proc.returncode}):\n"
     f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
   )
-  results = json.loads(lines[-1][len(MARK) :])
+  return json.loads(lines[-1][len(MARK) :])
+
+
+def _results_for(n):
+  """The results for `n` devices: from this process where it has `n` devices (a
+  child costs about 5 CPU-s to start), else from a child process."""
+  from xladist import runtime as rt
+
+  if rt.num_devices() == n:
+    results = json.loads(json.dumps(_train_every_model(n)))  # as a child's arrive
+  else:
+    results = _run_child(n)
   assert results["num_devices"] == n
   return results
 
@@ -240,7 +244,7 @@ def child_results():
   def get(n):
     if n not in cache:
       try:
-        cache[n] = _run_child(n)
+        cache[n] = _results_for(n)
       except BaseException as e:  # every case of this device count reports the failure
         cache[n] = e
     if isinstance(cache[n], BaseException):
