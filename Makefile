@@ -30,7 +30,7 @@ WHERE_XLADIST := -c 'import sys; del sys.path[0]; import os, importlib.util; \
 
 .PHONY: own-code which-xladist test-ecosystem test-jax-matrix test-xla-ecosystem test-jax-ecosystem bench-scaling bench-memory bench-sharding venv venv-jax venv-jax-new test-jax test-jax-old test-jax-new test-xla check demo charlm demo-ps bench-ps test lint bench bench-input bench-collectives bench-logical \
 	gpu-wheels gpu-check \
-	bench-first-step bench-checkpoint plots clean-venv
+	bench-first-step bench-checkpoint bench-replay-ab plots clean-venv
 
 venv: $(STAMP)
 
@@ -195,6 +195,11 @@ lint: venv
 
 bench: venv
 	$(CPU_ENV) $(RUN) bench/step_overhead.py
+
+# Replay's per-step host cost against another revision (BASE), alternating in one run.
+BASE ?= HEAD~1
+bench-replay-ab: venv
+	$(CPU_ENV) $(RUN) bench/replay_ab.py --base $(BASE)
 
 # The replayed AdamW + cosine step at 8, 128 and 512 parameter tensors; BACKEND=jax
 # runs it on the jax runtime beside hand-written jax.jit + optax.

@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import xladist as xd
 import xladist.checkpoint as xc
+from xladist._step import python_effects
 from xladist._step import replay as _replay
 from xladist.runtime import xla as _runtime
 from xladist.runtime import xla_programs
@@ -973,6 +974,26 @@ def _dict_scale():
 
 
 def _unwatched_run(strategy, steps, change_at):
+  """A loop whose step reads `SCALES[-1]`, changed before step `change_at`, with
+  the replay recorder blind to that read (a read it would miss, simulated: the
+  verification trace is the backstop for a read the recorder does not see)."""
+  if not hasattr(_unwatched_run, "blind"):
+    record = python_effects.Recorder._read
+
+    def blind(self, frame, kind, owner, name, value, label, escapes):
+      if "SCALES" not in label:
+        record(self, frame, kind, owner, name, value, label, escapes)
+
+    _unwatched_run.blind = blind
+  patch = pytest.MonkeyPatch()
+  patch.setattr(python_effects.Recorder, "_read", _unwatched_run.blind)
+  try:
+    return _unwatched_steps(strategy, steps, change_at)
+  finally:
+    patch.undo()
+
+
+def _unwatched_steps(strategy, steps, change_at):
   with strategy.scope():
     model = _mlp()
     opt = _sgd(model.parameters())

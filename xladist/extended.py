@@ -124,17 +124,22 @@ class StrategyExtended(abc.ABC):
     counter, a helper's attribute, a list, the host random generators, a print):
     the captures refused for it and the later steps of the same key (a step whose
     key changes at every step anyway is traced without being looked at).
+    `traced_unfollowed` counts the same for steps whose Python does what the
+    replay recorder cannot classify (a read it cannot guard: the log line on the
+    "xladist" logger names the place), which are never replayed either.
     Strategies that call `fn` directly (OneDevice, the default strategy) count
     every step as traced."""
     engine = getattr(self, "_engine", None)
     replayer = getattr(engine, "_replayer", None)
     if replayer is None:
       watch = getattr(self, "_compile_watch", None)
-      return {"traced": getattr(watch, "steps", 0), "replayed": 0, "traced_for_writes": 0}
+      steps = getattr(watch, "steps", 0)
+      return {"traced": steps, "replayed": 0, "traced_for_writes": 0, "traced_unfollowed": 0}
     return {
       "traced": replayer.traces,
       "replayed": replayer.replays,
       "traced_for_writes": replayer.writes,
+      "traced_unfollowed": replayer.unfollowed,
     }
 
   def experimental_state_bytes(self):

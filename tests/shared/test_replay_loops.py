@@ -143,7 +143,12 @@ def test_the_loop_replays_and_equals_the_run_without_replay(monkeypatch, name):
   want, want_w, _, counts_off = _train(monkeypatch, name, replay=False)
   got, got_w, compiles, counts = _train(monkeypatch, name, replay=True)
   assert counts["traced"] <= 3 and counts["replayed"] == STEPS - counts["traced"], counts
-  assert counts_off == {"traced": STEPS, "replayed": 0, "traced_for_writes": 0}
+  assert counts_off == {
+    "traced": STEPS,
+    "replayed": 0,
+    "traced_for_writes": 0,
+    "traced_unfollowed": 0,
+  }
   assert compiles <= 2, compiles
   torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
   for k in want_w:

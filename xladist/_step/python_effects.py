@@ -1,24 +1,32 @@
-"""What a traced step's Python reads and writes outside its program.
+"""What a traced step's Python reads and writes outside its program (closed-world).
 
 While a step that may be captured is traced, `Recorder` watches the Python that
-runs (a `sys.settrace` function with opcode events, for the frames of user code
-and of torch's module classes; torch's other internals, xladist, the runtimes
-and the standard library are not followed) and records:
+runs (a `sys.settrace` function with opcode events on 3.11, `sys.monitoring` on
+3.12, the tracing thread only), in every frame of code that is not a known
+library's (bytecode.py: `<string>`, a REPL, exec'd code are followed), and records:
 
 * *reads*: every value a followed frame takes from outside itself: a global, a
   closure cell of a function made before the step, an attribute along an
-  access path (`self.drop.p`, `cfg.beta`, `self.ema.decay`), a dict item under
-  a constant key (`cfg["beta"]`). Each becomes a `Location` whose value is
-  part of the step's replay key (replay.py): a plain value (bool, int, float,
-  str, None, tuples of them) by value, another object by identity. Tensors are
-  the program's inputs (slots), and optimizers' hyperparameters are Hypers
-  (hyper.py): neither is guarded here.
+  access path (`self.drop.p`, `cfg.beta`), a dict item under a constant key
+  (`CONF["loss"]["l2"]`). Each becomes a `Location` whose value is part of the
+  step's replay key (replay.py): a plain value by value, another object by
+  identity, and a value that leaves its path (passed on, iterated, indexed at a
+  computed key) by its content when it is a container, a partial, os.environ, a
+  numpy array or a CPU tensor (read_guards.py). `getattr`/`hasattr`/`vars` with
+  a computed name guard the object's attributes; every module the step runs
+  has its train/eval flag (as the step found it), submodules and hooks in the
+  key. Device tensors are the program's inputs (slots) and optimizers'
+  hyperparameters Hypers (hyper.py): neither is guarded here.
 * *writes*: what the step changes that its program would not: a global or a
   closure variable of an enclosing function, an attribute or item of an object
-  that existed before the step, a list, dict or set mutated by its methods,
-  the host random-number generators (`random`, `numpy.random`, torch's CPU
-  generator), printing and logging. A step that writes is not captured: it is
+  that existed before the step, a container mutated by its methods, a location
+  read that holds something else at the end (changed by code not followed), the
+  host random-number generators, printing and logging. A step that writes is
   traced at every call (replay.py says why under `XLADIST_REPLAY_DEBUG=1`).
+* *what it cannot classify* (`unfollowed`, each with its file and line): an
+  opcode in no table, an iterator made before the step, `getattr` of a value
+  it cannot follow to its source, a closure it cannot find, a container past the
+  content guard's bounds, a Python without tables. Such a step is traced too.
 
 Objects made by the step itself (a dict of results, an output object, a
 helper made inside `fn`) are neither guarded nor written: an object is *born
@@ -29,8 +37,7 @@ lists only those tracked since), or when it is a dict held by a local variable
 that the frame only ever binds to dict displays (`out = {}`, `d = {"n": 0}`).
 CPython leaves a dict of atomic values untracked until a container enters it:
 such a dict found any other way is taken as older than the step (a write to it
-stops replay: slower, never wrong). tracemalloc told the same apart before, at
-about 45 % of a trace's time on the jax runtime.
+stops replay: slower, never wrong).
 
 Attributes are looked up without running code (the instance dict, an
 `nn.Module`'s parameters, buffers and submodules, slots, plain class
@@ -38,141 +45,29 @@ attributes): a property or `__getattr__` is a frame of its own, followed when
 it is user code.
 """
 
+import builtins
 import collections
-import dis
 import gc
-import inspect
 import logging
-import os
-import random
 import sys
-import sysconfig
+import threading
 import types
 
 import torch
 
-from xladist._step.read_guards import MISSING, SKIP, Location, static_get
+from xladist._step import bytecode
+from xladist._step import host_objects as host
+from xladist._step.read_guards import (
+  BY_CONTENT,
+  MISSING,
+  SKIP,
+  Location,
+  by_content,
+  static_get,
+)
 
-_PLAIN = (bool, int, float, str, bytes, type(None))
 WROTE = "the step's Python "  # how the words saying what a step wrote begin
-
-_MUTATORS = {
-  "append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse",
-  "update", "setdefault", "popitem", "add", "discard", "difference_update",
-  "intersection_update", "symmetric_difference_update", "appendleft", "extendleft",
-  "popleft", "rotate", "__setitem__", "__delitem__",
-}  # fmt: skip
-_CONTAINERS = (list, dict, set, collections.deque, bytearray)
-
-
-# -- which frames are followed -----------------------------------------------------------------
-
-
-def _roots():
-  """Folders whose code is not followed: the standard library, xladist, the
-  runtimes and torch (its module classes excepted: their `forward`s read the
-  modules' settings, `Dropout.p`, `self.training`)."""
-  paths = sysconfig.get_paths()
-  out = {os.path.realpath(paths[k]) + os.sep for k in ("stdlib", "platstdlib")}
-  here = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
-  out.add(here + os.sep)
-  for name in ("torch", "torch_xla", "jax", "jaxlib", "torchax", "numpy", "optax",
-               "_pytest", "pluggy", "typing_extensions", "sympy", "functorch"):  # fmt: skip
-    spec = sys.modules.get(name)
-    file = getattr(spec, "__file__", None)
-    if file:
-      out.add(os.path.dirname(os.path.realpath(file)) + os.sep)
-  return tuple(sorted(out))
-
-
-_TORCH_MODULES = os.path.join(os.path.dirname(os.path.realpath(torch.__file__)), "nn", "modules")
-_ROOTS = []
-
-
-def _followed(filename):
-  if not _ROOTS:
-    _ROOTS.extend(_roots())
-  if filename.startswith("<"):
-    return False  # generated code (dataclasses' __init__, namedtuple), frozen modules
-  path = os.path.realpath(filename)
-  if path.startswith(_TORCH_MODULES + os.sep):
-    return os.path.basename(path) != "module.py"  # hooks' bookkeeping, not settings
-  return not path.startswith(tuple(_ROOTS))
-
-
-# -- what each instruction of a followed code object does ------------------------------------
-
-_LOADS = {
-  "LOAD_FAST": "fast", "LOAD_FAST_CHECK": "fast", "LOAD_FAST_AND_CLEAR": "fast",
-  "LOAD_DEREF": "deref", "LOAD_CLASSDEREF": "deref", "LOAD_GLOBAL": "global", "LOAD_NAME": "global",
-}  # fmt: skip
-
-
-def _plan(code):
-  """{instruction offset: action} for `code`, found once: (kind, chain, name)
-  where `chain` is the access path of the object the instruction works on, as
-  loads and attributes (("fast", "self"), "drop"), or None when not followed."""
-  plan = {}
-  instrs = [i for i in dis.get_instructions(code) if i.opname != "CACHE"]
-  after = []  # the access path on top of the stack after each instruction, or None
-  cur = copied = augmented = None
-  freevars = set(code.co_freevars)
-  for k, ins in enumerate(instrs):
-    op, arg = ins.opname, ins.argval
-    if ins.is_jump_target:
-      cur = copied = None
-    new = None
-    if op in _LOADS:
-      kind = _LOADS[op]
-      new = ((kind, arg),)
-      if kind == "global":
-        plan[ins.offset] = ("global", None, arg)
-      elif kind == "deref" and arg in freevars:
-        plan[ins.offset] = ("deref", None, arg)
-    elif op in ("LOAD_ATTR", "LOAD_METHOD") and cur is not None:
-      plan[ins.offset] = ("attr", cur, arg)
-      new = cur + (arg,)
-    elif op == "COPY" and ins.arg == 1 and cur is not None:
-      new = copied = cur
-    elif op == "BINARY_SUBSCR" and k >= 2 and instrs[k - 1].opname == "LOAD_CONST":
-      if after[k - 2] is not None and isinstance(instrs[k - 1].argval, (str, int)):
-        plan[ins.offset] = ("item", after[k - 2], instrs[k - 1].argval)
-    elif (
-      op == "BINARY_SUBSCR" and k >= 4 and instrs[k - 1].opname == "COPY" == instrs[k - 2].opname
-    ):
-      augmented = after[k - 4]  # `d[key] += ...`: d, key, COPY 2, COPY 2, BINARY_SUBSCR
-    elif op in ("STORE_ATTR", "DELETE_ATTR"):
-      target = cur if cur is not None else (copied if instrs[k - 1].opname == "SWAP" else None)
-      plan[ins.offset] = ("store_attr", target, arg)
-    elif op in ("STORE_SUBSCR", "DELETE_SUBSCR"):
-      if op == "STORE_SUBSCR" and instrs[k - 1].opname == "SWAP" and augmented is not None:
-        plan[ins.offset] = ("store_item", augmented, None)  # ... SWAP 3, SWAP 2, STORE_SUBSCR
-      else:
-        plan[ins.offset] = ("store_item", _container(instrs, after, k), None)
-    elif op in ("STORE_GLOBAL", "DELETE_GLOBAL"):
-      plan[ins.offset] = ("store_global", None, arg)
-    elif op in ("STORE_DEREF", "DELETE_DEREF") and arg in freevars:
-      plan[ins.offset] = ("store_deref", None, arg)
-    after.append(new)
-    cur = new
-  return plan
-
-
-def _container(instrs, after, k):
-  """The access path of the container a STORE_SUBSCR / DELETE_SUBSCR at `k`
-  writes: what was on the stack under its key (DELETE: under nothing more)."""
-  want = 1 if instrs[k].opname == "STORE_SUBSCR" else 0
-  depth = 0
-  for m in range(k - 1, max(-1, k - 12), -1):
-    try:
-      depth += dis.stack_effect(instrs[m].opcode, instrs[m].arg)
-    except ValueError:
-      return None
-    if depth == want:
-      return after[m - 1] if m >= 1 else None
-    if depth > want:
-      return None
-  return None
+UNFOLLOWED = "xladist cannot follow what the step's Python does: "
 
 
 # -- the recorder --------------------------------------------------------------------------------
@@ -187,8 +82,9 @@ class Recorder:
   def __init__(self, fn=None):
     self.reads = {}  # Location.ident() -> (Location, value at the first read)
     self.writes = []  # what the step wrote, in words (first 8)
+    self.unfollowed = []  # what the recorder could not classify, in words (first 8)
     self.unavailable = None  # why reads could not be recorded (another trace function)
-    self.unguarded = set()  # reads found and not guarded, in words
+    self._keys = {}  # Location.ident() -> its key entry at the first read
     self._born = set()  # ids of objects whose __init__ ran in the step
     self._functions = collections.defaultdict(list)  # code -> functions seen
     self._frames = set()  # ids of frames started in the step
@@ -197,6 +93,9 @@ class Recorder:
     self._young = set()  # ids of objects tracked since the freeze, when last listed
     self._depth = 0
     self._rng = None
+    self._thread = None  # the thread that traces (reads of others are not the step's)
+    self._hook = None  # the global forward pre-hook that notes the modules run
+    self._modes_before = {}  # id(module) -> its train/eval flag before the step set it
     if fn is not None:
       self._note_function(fn)
 
@@ -205,6 +104,9 @@ class Recorder:
     self._depth += 1
     if self._depth > 1:
       return self
+    if sys.version_info[:2] not in bytecode.SUPPORTED:
+      self.unavailable = _UNSUPPORTED
+      return self
     if _MONITORING:
       if sys.monitoring.get_tool(_TOOL) is not None:
         self.unavailable = f"sys.monitoring's tool id {_TOOL} is taken"
@@ -212,7 +114,11 @@ class Recorder:
     elif sys.gettrace() is not None:
       self.unavailable = "a trace function (a debugger or coverage) is active"
       return self
-    self._rng = _rng_states()
+    self._rng = host.rng_states()
+    self._thread = threading.get_ident()
+    self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._module_runs)
+    host.MODE_SETTERS.append(self._mode_set)
+    torch.nn.Module.train = host.train  # while a step is traced (put back at its end)
     if gc.get_freeze_count() <= _FROZEN_AT_IMPORT:
       # (the interpreter's own frozen objects, 375 on Python 3.12, go back to the
       # oldest generation at the end; after another user's gc.freeze(), only
@@ -236,13 +142,18 @@ class Recorder:
       self._stop_monitoring()
     else:
       sys.settrace(None)
+    self._hook.remove()
+    host.MODE_SETTERS.remove(self._mode_set)
+    if not host.MODE_SETTERS:
+      torch.nn.Module.train = host.TRAIN
+    self._changed_unseen()
     if self._frozen:
       gc.unfreeze()
       self._frozen = False
       self._verdicts, self._young = {}, set()
-    after = _rng_states()
-    for name, a, b in zip(_RNG_NAMES, self._rng, after):
-      if not _same_state(a, b):
+    after = host.rng_states()
+    for name, a, b in zip(host.RNG_NAMES, self._rng, after):
+      if not host.same_state(a, b):
         self._write(f"draws from the host random-number generator of {name}")
     return False
 
@@ -281,9 +192,9 @@ class Recorder:
     action = _PLANS[frame.f_code].get(offset)
     if action is not None:
       try:
-        _ACTIONS[action[0]](self, frame, action[1], action[2])
+        _ACTIONS[action[0]](self, frame, *action[1:])
       except Exception as e:  # never break the user's step; say what was not followed
-        self._write(f"{type(e).__name__} while following it ({e})")
+        self._unfollowed(frame, f"{type(e).__name__} while following it ({e})")
 
   # -- events (Python 3.12: sys.monitoring, per code object) ------------------------------------
   # (3.12.1's settrace misses the opcode events of a code object's first traced call.)
@@ -307,6 +218,8 @@ class Recorder:
     self._instrumented = set()
 
   def _py_start(self, code, offset):
+    if threading.get_ident() != self._thread:
+      return None  # sys.monitoring is for every thread: another's code is not the step's
     frame = sys._getframe(1)
     followed = self._started(frame, code)
     if not followed:
@@ -319,13 +232,15 @@ class Recorder:
     return None
 
   def _instruction(self, code, offset):
-    if code in _PLANS:
+    if code in _PLANS and threading.get_ident() == self._thread:
       self._at(sys._getframe(1), offset)
     return None
 
   # -- reads ------------------------------------------------------------------------------------
-  def _read(self, kind, owner, name, value, label):
-    if isinstance(value, torch.Tensor) or type(value).__name__ == "Hyper":
+  def _read(self, frame, kind, owner, name, value, label, escapes):
+    if isinstance(value, torch.Tensor) and not (escapes and by_content(value)):
+      return  # a device tensor: a program input (a slot)
+    if type(value).__name__ == "Hyper":
       return
     if isinstance(value, types.ModuleType) and kind != "cell":
       return
@@ -333,10 +248,30 @@ class Recorder:
       return  # a library's function (`F.linear`, `math.sqrt`)
     if isinstance(value, (types.FunctionType, types.MethodType)):
       self._note_function(value)
-    loc = Location(kind, owner, name, label, True)
+    elif hasattr(type(value), "__next__") and not self._is_born(value):
+      self._unfollowed(frame, f"reads {label}, an iterator made before the step (advancing it "
+                       "is a write a replay would skip)")  # fmt: skip
+      return
+    if not isinstance(value, torch.Tensor):
+      self._note(frame, Location(kind, owner, name, label, True), value)
+    if escapes and by_content(value):
+      self._guard_content(frame, value, label)
+
+  def _note(self, frame, loc, value):
     ident = loc.ident()
     if ident not in self.reads:
-      self.reads[ident] = (loc, value)
+      self._keys[ident] = key = loc.key(value)
+      # (a content location's value is in its key: the recorder does not hold it)
+      self.reads[ident] = (loc, None if loc.kind in BY_CONTENT else value)
+      why = getattr(key[-1], "why", None) if loc.kind in ("content", "attrs") else None
+      if why is not None:
+        self._unfollowed(frame, f"reads {loc.label}, which {why}")
+
+  def _guard_content(self, frame, value, label, kind="content"):
+    """`value` (a container, an array, an object whose attributes are read by
+    name) is guarded by what it holds; one made in the step needs nothing."""
+    if not self._is_born(value):
+      self._note(frame, Location(kind, value, None, f"{label} (its content)", True), value)
 
   def _note_function(self, fn):
     fn = getattr(fn, "__func__", fn)
@@ -346,7 +281,7 @@ class Recorder:
       if not any(f is fn for f in known):
         known.append(fn)
 
-  def _on_global(self, frame, chain, name):
+  def _on_global(self, frame, chain, name, escapes):
     g = frame.f_globals
     value = g.get(name, MISSING)
     if value is MISSING:
@@ -354,27 +289,51 @@ class Recorder:
       if value is print:
         self._write("prints (print)")
         return
-    self._read("global", g, name, value, f"global {name!r} of {g.get('__name__', '?')}")
+    self._read(frame, "global", g, name, value, f"global {name!r} of {g.get('__name__', '?')}",
+               escapes)  # fmt: skip
 
-  def _on_deref(self, frame, chain, name):
+  def _on_attr_builtin(self, frame, chain, name, escapes):
+    """`getattr(obj, name)`, `hasattr`, `vars` (reads of attributes by a name
+    computed at run time) and `setattr`, `delattr` (writes)."""
+    value = frame.f_globals.get(name, MISSING)
+    if value is MISSING:
+      value = frame.f_builtins.get(name, MISSING)
+    if value is not getattr(builtins, name):  # a global of that name
+      return self._on_global(frame, None, name, escapes)
+    obj = self._resolve(frame, chain) if chain is not None else SKIP
+    if bytecode.ATTR_BUILTINS[name] == "writes":
+      if obj is SKIP or not self._is_born(obj, frame, chain):
+        self._write(f"sets an attribute by a computed name ({name}({host.path(chain)}, ...))")
+    elif obj is SKIP:
+      self._unfollowed(frame, f"{name}() of a value xladist cannot follow to its source")
+    elif isinstance(obj, types.ModuleType):
+      self._unfollowed(frame, f"{name}() of module {obj.__name__}")
+    else:
+      self._guard_content(frame, obj, f"{host.path(chain)} ({name}() by a computed name)", "attrs")
+
+  def _on_deref(self, frame, chain, name, escapes):
     if self._owned_here(frame, name):
       return
     value = frame.f_locals.get(name, MISSING)
-    for fn in self._functions.get(frame.f_code, ()):
-      for cell_name, cell in zip(fn.__code__.co_freevars, fn.__closure__):
-        if cell_name == name:
-          try:
-            same = cell.cell_contents is value
-          except ValueError:
-            same = False
-          if same:
-            index = fn.__code__.co_freevars.index(name)
-            label = f"closure variable {name!r} of {frame.f_code.co_qualname}"
-            self._read("cell", fn, index, value, label)
-            return
-    # A function xladist never saw loaded (made by C code, or reached through a
-    # container): its cell is not guarded (the verification trace checks it).
-    self.unguarded.add(f"closure variable {name!r} of {frame.f_code.co_qualname}")
+    label = f"closure variable {name!r} of {frame.f_code.co_qualname}"
+    code = frame.f_code
+    searches = (
+      lambda: self._functions.get(code, ()),
+      lambda: host.methods_of(frame, code),
+      lambda: host.functions_of(code),
+    )
+    for search in searches:
+      for fn in search():
+        index = fn.__code__.co_freevars.index(name)
+        try:
+          same = fn.__closure__[index].cell_contents is value
+        except ValueError:
+          same = False
+        if same:
+          self._note_function(fn)
+          self._read(frame, "cell", fn, index, value, label, escapes)
+          return
+    self._unfollowed(frame, f"reads {label} of a function xladist cannot find")
 
   def _owned_here(self, frame, name):
     """Whether the cell `name` of `frame` belongs to a frame started in the step."""
@@ -387,56 +346,125 @@ class Recorder:
       f = f.f_back
     return False
 
-  def _on_attr(self, frame, chain, name):
+  def _on_attr(self, frame, chain, name, escapes):
     obj = self._resolve(frame, chain)
     if obj is SKIP or self._is_born(obj, frame, chain):
       return
     value = static_get(obj, name)
     if value is SKIP:
-      if isinstance(obj, _CONTAINERS) and name in _MUTATORS:
-        self._write(f"changes {_path(chain)} ({type(obj).__name__}.{name})")
+      if self._through_own_table(frame, chain):
+        return  # a module's or an optimizer's own table (`self._modules.values()`)
+      if by_content(obj) and not isinstance(obj, torch.Tensor):
+        if name in host.MUTATORS:
+          self._write(f"changes {host.path(chain)} ({type(obj).__name__}.{name})")
+        elif name in host.READERS or name.startswith("__"):
+          self._guard_content(frame, obj, host.path(chain))
       return
     if value is MISSING:
       return
-    if isinstance(obj, torch.nn.Module) and (name == "training" or name[:1] == "_"):
-      # train()/eval() are the signature's modes (a step may set them itself), and
-      # a module's tables (`_modules`, `_parameters`) its structure (signature.py)
+    if host.own_table(obj, name):
+      # train()/eval() and hooks are the "module" locations' (`_module_runs`), a
+      # module's tables (`_modules`, `_parameters`) its structure (signature.py)
       return
-    self._read("attr", obj, name, value, f"{type(obj).__name__}.{name}")
+    self._read(frame, "attr", obj, name, value, f"{type(obj).__name__}.{name}", escapes)
 
-  def _on_item(self, frame, chain, key):
+  def _through_own_table(self, frame, chain):
+    """Whether `chain` passes through a module's or an optimizer's own table."""
+    obj = self._resolve(frame, chain[:1])
+    for step in chain[1:]:
+      if obj is SKIP or type(step) is tuple:
+        return False
+      if host.own_table(obj, step):
+        return True
+      obj = static_get(obj, step)
+    return False
+
+  def _on_item(self, frame, chain, key, escapes):
     obj = self._resolve(frame, chain)
-    if obj is SKIP or not isinstance(obj, dict) or self._is_born(obj, frame, chain):
+    if obj is SKIP or self._is_born(obj, frame, chain) or isinstance(obj, torch.Tensor):
+      return
+    if self._through_own_table(frame, chain):
+      return
+    if not isinstance(obj, dict):
+      if by_content(obj):
+        self._guard_content(frame, obj, host.path(chain))
+      elif not isinstance(obj, (str, bytes, range)) and not host.python_getitem(type(obj)):
+        self._unfollowed(frame, f"reads an item of {host.path(chain)} ({type(obj).__name__}), "
+                         "whose items xladist cannot follow")  # fmt: skip
       return
     value = obj.get(key, MISSING)
     if value is not MISSING:
-      self._read("item", obj, key, value, f"{_path(chain)}[{key!r}]")
+      self._read(frame, "item", obj, key, value, f"{host.path(chain)}[{key!r}]", escapes)
 
-  # -- writes -----------------------------------------------------------------------------------
+  def _module_runs(self, module, args):
+    """The global forward pre-hook: a module the step runs, however it is
+    reached, has its train/eval flag and hooks in the key (the flag as the step
+    found it: a step that calls `.train()` itself replays after an `.eval()`)."""
+    if threading.get_ident() == self._thread and not self._is_born(module):
+      label = f"{type(module).__name__} at {id(module):#x}: train/eval and hooks"
+      ident = ("module", id(module), None)
+      if ident not in self.reads:
+        before = self._modes_before.get(id(module), module.training)
+        loc = Location("module", module, None, label, True)
+        self._keys[ident] = ("content", (before,) + loc.key(module)[1][1:])
+        self.reads[ident] = (loc, None)
+
+  def _mode_set(self, module):
+    """`module.train(mode)` / `.eval()` in the step: the flags before it, kept."""
+    if threading.get_ident() == self._thread:
+      for m in module.modules():
+        self._modes_before.setdefault(id(m), m.training)
+
+  def _changed_unseen(self):
+    """A place the step read that holds something else at its end was written
+    by code the recorder does not see (C code, the standard library)."""
+    for ident, (loc, _) in self.reads.items():
+      if loc.kind != "module" and loc.key(loc.read()) != self._keys[ident]:
+        self._write(f"changes {loc.label} in code xladist does not follow")
+
+  # -- writes and what the recorder cannot follow -----------------------------------------------
   def _write(self, what):
     if what not in self.writes and len(self.writes) < 8:
       self.writes.append(what)
 
-  def _on_store_global(self, frame, chain, name):
+  def _unfollowed(self, frame, what):
+    place = what
+    if frame is not None:
+      code = frame.f_code
+      place = f"{what} ({code.co_filename}:{frame.f_lineno}, in {code.co_qualname})"
+    if place not in self.unfollowed and len(self.unfollowed) < 8:
+      self.unfollowed.append(place)
+
+  def _on_unknown(self, frame, chain, name, escapes):
+    self._unfollowed(frame, f"runs opcode {name}, which xladist's recorder does not model")
+
+  def _on_print(self, frame, chain, name, escapes):
+    self._write("prints (an expression statement shown by the interpreter)")
+
+  def _on_store_global(self, frame, chain, name, escapes):
     self._write(f"sets global {name!r}")
 
-  def _on_store_deref(self, frame, chain, name):
+  def _on_store_name(self, frame, chain, name, escapes):
+    if frame.f_locals is frame.f_globals:
+      self._write(f"sets global {name!r}")
+
+  def _on_store_deref(self, frame, chain, name, escapes):
     if not self._owned_here(frame, name):
       self._write(f"sets nonlocal {name!r} of {frame.f_code.co_qualname}")
 
-  def _on_store_attr(self, frame, chain, name):
+  def _on_store_attr(self, frame, chain, name, escapes):
     obj = self._resolve(frame, chain) if chain is not None else SKIP
     if obj is SKIP:
       self._write(f"sets attribute {name!r} of an object xladist cannot follow")
     elif not self._is_born(obj, frame, chain):
-      self._write(f"sets {_path(chain)}.{name} ({type(obj).__name__})")
+      self._write(f"sets {host.path(chain)}.{name} ({type(obj).__name__})")
 
-  def _on_store_item(self, frame, chain, name):
+  def _on_store_item(self, frame, chain, name, escapes):
     obj = self._resolve(frame, chain) if chain is not None else SKIP
     if obj is SKIP:
       self._write("sets an item of a container xladist cannot follow")
     elif not self._is_born(obj, frame, chain) and not isinstance(obj, torch.Tensor):
-      self._write(f"sets an item of {_path(chain)} ({type(obj).__name__})")
+      self._write(f"sets an item of {host.path(chain)} ({type(obj).__name__})")
 
   # -- helpers ----------------------------------------------------------------------------------
   def _resolve(self, frame, chain):
@@ -447,10 +475,13 @@ class Recorder:
         obj = frame.f_builtins.get(name, MISSING)
     else:
       obj = frame.f_locals.get(name, MISSING)
-    for attr in chain[1:]:
+    for step in chain[1:]:
       if obj is MISSING or obj is SKIP:
         return SKIP
-      obj = static_get(obj, attr)
+      if type(step) is tuple:  # ("item", key)
+        obj = obj.get(step[1], MISSING) if isinstance(obj, dict) else SKIP
+      else:
+        obj = static_get(obj, step)
     return SKIP if obj is MISSING else obj
 
   def _is_born(self, obj, frame=None, chain=None):
@@ -474,24 +505,28 @@ class Recorder:
     """[(Location, value read)] of what the step read, in the order first read."""
     return list(self.reads.values())
 
+  def key_at_read(self, ident):
+    """The key entry of the location `ident` as the step first read it."""
+    return self._keys[ident]
+
   def why_not_replayed(self):
-    """Words saying what the step wrote, or None."""
+    """Words saying what the step wrote or what the recorder could not
+    classify (UNFOLLOWED), or None."""
     if self.unavailable is not None:
-      return f"its reads could not be recorded: {self.unavailable}"
+      return f"{UNFOLLOWED}its reads could not be recorded: {self.unavailable}"
+    if self.unfollowed:
+      return UNFOLLOWED + "; ".join(self.unfollowed)
     if not self.writes:
       return None
     return WROTE + "; ".join(self.writes)
 
 
-def _path(chain):
-  if chain is None:
-    return "?"
-  root = chain[0][1]
-  return ".".join((root,) + tuple(chain[1:]))
-
-
 _ACTIONS = {
   "global": Recorder._on_global,
+  "attr_builtin": Recorder._on_attr_builtin,
+  "unknown": Recorder._on_unknown,
+  "print": Recorder._on_print,
+  "store_name": Recorder._on_store_name,
   "deref": Recorder._on_deref,
   "attr": Recorder._on_attr,
   "item": Recorder._on_item,
@@ -505,66 +540,23 @@ _INFO = {}  # code -> (followed, is an __init__, is logging's Logger.handle)
 _MONITORING = sys.version_info >= (3, 12)
 _TOOL = 4  # the sys.monitoring tool id (0-2 and 5 are named for debuggers, coverage,
 # profilers and optimizers)
-_PLANS = {}  # code -> _plan(code), for followed code
+_PLANS = {}  # code -> bytecode.plan(code), for followed code
 _FROZEN_AT_IMPORT = gc.get_freeze_count()
-_DICT_LOCALS = {}  # code -> _dict_locals(code), for followed code
-_DICT_DISPLAYS = ("BUILD_MAP", "BUILD_CONST_KEY_MAP", "DICT_UPDATE")
-
-
-def _dict_locals(code):
-  """The local variables of `code` that only ever hold a dict made by the frame: every
-  store to them takes a dict display just built (`out = {}`, `d = {"n": 0}`,
-  `d = {**a}`), where no jump lands, and none is a parameter."""
-  instrs = [i for i in dis.get_instructions(code) if i.opname != "CACHE"]
-  params = code.co_argcount + code.co_kwonlyargcount
-  params += bool(code.co_flags & inspect.CO_VARARGS) + bool(code.co_flags & inspect.CO_VARKEYWORDS)
-  made, other = set(), set(code.co_varnames[:params])
-  for k, ins in enumerate(instrs):
-    if ins.opname in ("STORE_FAST", "DELETE_FAST", "LOAD_FAST_AND_CLEAR"):
-      display = (
-        ins.opname == "STORE_FAST"
-        and k > 0
-        and not ins.is_jump_target
-        and instrs[k - 1].opname in _DICT_DISPLAYS
-      )
-      (made if display else other).add(ins.argval)
-  return frozenset(made - other)
+_DICT_LOCALS = {}  # code -> bytecode.dict_locals(code), for followed code
+_UNSUPPORTED = (
+  f"Python {sys.version_info[0]}.{sys.version_info[1]}: xladist's recorder has bytecode "
+  f"tables for {', '.join(f'{a}.{b}' for a, b in bytecode.SUPPORTED)} only (every step is "
+  "traced)"
+)
 
 
 def _code_info(code):
-  followed = _followed(code.co_filename)
+  followed = bytecode.followed(code.co_filename)
   if followed:
-    _PLANS[code] = _plan(code)
-    _DICT_LOCALS[code] = _dict_locals(code)
+    _PLANS[code] = bytecode.plan(code)
+    _DICT_LOCALS[code] = bytecode.dict_locals(code)
   init = code.co_name == "__init__" and code.co_argcount > 0
   return followed, init, code is logging.Logger.handle.__code__
-
-
-# -- host random-number generators ---------------------------------------------------------------
-
-_RNG_NAMES = ("random", "numpy.random", "torch's CPU generator")
-
-
-def _rng_states():
-  np = sys.modules.get("numpy")
-  np_state = None
-  if np is not None:
-    try:
-      np_state = np.random.get_state(legacy=False)
-    except Exception:
-      np_state = None
-  return (random.getstate(), np_state, torch.default_generator.get_state())
-
-
-def _same_state(a, b):
-  if isinstance(a, torch.Tensor):
-    return torch.equal(a, b)
-  if isinstance(a, dict):
-    np = sys.modules["numpy"]
-    return a.keys() == b.keys() and all(
-      np.array_equal(a[k], b[k]) if hasattr(a[k], "shape") else _same_state(a[k], b[k]) for k in a
-    )
-  return a == b
 
 
 def merged(recorders):
@@ -575,7 +567,11 @@ def merged(recorders):
       continue
     for ident, read in r.reads.items():
       out.reads.setdefault(ident, read)
+    out._keys.update(r._keys)
     for what in r.writes:
       out._write(what)
+    for what in r.unfollowed:
+      if what not in out.unfollowed:
+        out.unfollowed.append(what)
     out.unavailable = out.unavailable or r.unavailable
   return out

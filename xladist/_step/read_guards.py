@@ -8,9 +8,22 @@ of its replay key from their values (replay.py): a plain value by value, another
 object by identity, a float that changed between steps by its class (0, 1 or
 another number: it is a program input, hyper.py). The key is first checked by a
 function made for the last key's values (`_checker`).
+
+A container whose value leaves the path it was read by (passed to a call,
+iterated, indexed by a computed key: code xladist cannot see may read any part
+of it) is guarded by its content (`content`): a "content" location on the
+container itself. So are the attributes of an object read by a computed name
+("attrs": `getattr(cfg, "w_" + name)`) and the train/eval flag and hooks of every
+module the step runs ("module"). The torch modes a trace depends on (grad mode,
+autocast, default dtype, deterministic algorithms, global module hooks) are a
+part of the key of their own (`torch_modes`).
 """
 
 import builtins
+import collections
+import functools
+import os
+import sys
 import types
 import weakref
 
@@ -27,8 +40,11 @@ SKIP = object()  # an attribute found but not guarded (a method, a descriptor)
 class Location:
   """One place the trace read a value from: (kind, owner, name) with kind
   "global" (owner: a module's globals), "cell" (owner: the function whose
-  closure holds it; name: the cell's index), "attr" (owner: an object) or
-  "item" (owner: a dict). The owner is held weakly where it can be (a model
+  closure holds it; name: the cell's index), "attr" (owner: an object),
+  "item" (owner: a dict), or one guarded by content: "content" (owner: a
+  container, guarded by what it holds), "attrs" (owner: an object, guarded by
+  its attributes), "module" (owner: an nn.Module, guarded by its train/eval
+  flag and its hooks). The owner is held weakly where it can be (a model
   the user lets go of is freed)."""
 
   __slots__ = ("kind", "_owner", "_weak", "_id", "name", "label", "by_value")
@@ -62,11 +78,15 @@ class Location:
       return builtins.__dict__.get(name, MISSING) if value is MISSING else value
     if kind == "item":
       return owner.get(name, MISSING) if isinstance(owner, dict) else MISSING
+    if kind in BY_CONTENT:
+      return owner
     return static_get(owner, name)
 
   def key(self, value):
-    """What the replay key keeps of `value`: the value itself when plain, else
-    the object's identity."""
+    """What the replay key keeps of `value`: the value itself when plain, its
+    content for the content kinds, else the object's identity."""
+    if self.kind in BY_CONTENT:
+      return guarded_content(self.kind, value)
     if self.by_value and _plain(value):
       return (type(value), value)
     return _Same(value)
@@ -108,6 +128,142 @@ class _Same:
 
   def __repr__(self):
     return f"<{self._name} object at {self._id:#x}>"
+
+
+# -- guards by content ---------------------------------------------------------------------------
+
+BY_CONTENT = ("content", "attrs", "module")  # the kinds guarded by content
+CONTENT_TYPES = (list, tuple, dict, set, frozenset, collections.deque, bytearray, os._Environ,
+                 functools.partial)  # fmt: skip
+_ITEMS = 10_000  # the most items (all levels) a content guard reads
+_ARRAY_BYTES = 1 << 20  # the largest numpy array or CPU tensor guarded by content
+_MODULE_TABLES = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+class Unguardable(Exception):
+  """A value too large (or of a kind) xladist cannot guard by content."""
+
+
+def by_content(value):
+  """Whether a value read by the step is guarded by its content when it leaves
+  its access path: a container, a partial, os.environ, a numpy array or a CPU tensor."""
+  if isinstance(value, CONTENT_TYPES):
+    return True
+  if isinstance(value, torch.Tensor):
+    return type(value) is torch.Tensor and value.device.type == "cpu"
+  np = sys.modules.get("numpy")
+  return np is not None and isinstance(value, np.ndarray)
+
+
+def content(value):
+  """A hashable copy of what `value` holds: plain values by value, containers
+  item by item (nested), numpy arrays and CPU tensors by their bytes, other
+  objects by identity. Raises Unguardable past _ITEMS items or _ARRAY_BYTES."""
+  return _content(value, [_ITEMS], 0)
+
+
+def _content(v, budget, depth):
+  budget[0] -= 1
+  if budget[0] < 0 or depth > 12:
+    raise Unguardable(f"holds more than {_ITEMS} items or nests more than 12 deep")
+  t = type(v)
+  if t in _PLAIN:
+    return (t, v)
+  if isinstance(v, float):  # a Hyper (hyper.py) while traced: the number it stands for
+    return (float, float(v))
+  if isinstance(v, (list, tuple, collections.deque)):
+    return (t, tuple(_content(x, budget, depth + 1) for x in v))
+  if isinstance(v, dict):
+    return (t, tuple((_content(k, budget, depth + 1), _content(x, budget, depth + 1))
+                     for k, x in list(v.items())))  # fmt: skip
+  if isinstance(v, (set, frozenset)):
+    return (t, frozenset(_content(x, budget, depth + 1) for x in v))
+  if isinstance(v, bytearray):
+    return (t, bytes(v))
+  if isinstance(v, os._Environ):
+    return (t, tuple(sorted(v._data.items())))
+  if isinstance(v, functools.partial):
+    inner = (_content(v.args, budget, depth + 1), _content(v.keywords, budget, depth + 1))
+    return (t, _Same(v.func), inner)
+  np = sys.modules.get("numpy")
+  if np is not None and isinstance(v, np.ndarray):
+    if v.nbytes > _ARRAY_BYTES:
+      raise Unguardable(f"a numpy array of {v.nbytes} bytes (guarded up to {_ARRAY_BYTES})")
+    return (t, v.dtype.str, v.shape, v.tobytes())
+  if isinstance(v, torch.Tensor) and v.device.type == "cpu" and not v.is_sparse:
+    size = v.numel() * v.element_size()
+    if size > _ARRAY_BYTES:
+      raise Unguardable(f"a CPU tensor of {size} bytes (guarded up to {_ARRAY_BYTES})")
+    raw = v.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+    return (torch.Tensor, str(v.dtype), tuple(v.shape), raw)
+  return _Same(v)
+
+
+def module_state(module):
+  """What the step's program depends on in a module it runs that its parameters
+  do not hold: the train/eval flag, its submodules and which hooks are registered."""
+  d = module.__dict__
+  children = tuple((name, _Same(m)) for name, m in d.get("_modules", {}).items())
+  return (module.training, children) + tuple(tuple(d.get(name, ())) for name in _MODULE_TABLES)
+
+
+class _Unguarded:
+  """A key entry for a value that cannot be guarded: equal to nothing else."""
+
+  __slots__ = ("why",)
+
+  def __init__(self, why):
+    self.why = why
+
+  def __repr__(self):
+    return f"<not guardable: {self.why}>"
+
+
+def guarded_content(kind, value):
+  """The key entry of a content location holding `value`."""
+  if value is MISSING or value is None:
+    return ("content", None)
+  try:
+    if kind == "module":
+      return ("content", module_state(value))
+    if kind == "attrs":
+      d = getattr(value, "__dict__", None)
+      return ("content", _Same(value), content(dict(d)) if isinstance(d, dict) else None)
+    return ("content", content(value))
+  except Unguardable as e:
+    return ("content", _Unguarded(str(e)))
+  except Exception as e:  # a container changed size while read, a torch error
+    return ("content", _Unguarded(f"{type(e).__name__}: {e}"))
+
+
+_GLOBAL_HOOKS = ("_global_forward_pre_hooks", "_global_forward_hooks",
+                 "_global_backward_pre_hooks", "_global_backward_hooks")  # fmt: skip
+_AUTOCAST_DEVICES = []
+
+
+def torch_modes():
+  """The global torch state a traced step depends on: grad mode, autocast (its
+  flag and dtype per device type), the default dtype, deterministic algorithms
+  and the global module hooks (which are registered)."""
+  if not _AUTOCAST_DEVICES:
+    for device in ("cpu", "cuda", "xla"):
+      try:
+        torch.is_autocast_enabled(device)
+        torch.get_autocast_dtype(device)
+      except Exception:
+        continue
+      _AUTOCAST_DEVICES.append(device)
+  autocast = tuple(
+    (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES
+  )
+  hooks = torch.nn.modules.module
+  return (
+    torch.is_grad_enabled(),
+    autocast,
+    torch.get_default_dtype(),
+    torch.are_deterministic_algorithms_enabled(),
+    tuple(tuple(getattr(hooks, name, ())) for name in _GLOBAL_HOOKS),
+  )
 
 
 def _plain(value):
@@ -255,7 +411,10 @@ def _checker(locations, values, key, varying):
       env[f"G{i}"], env[f"N{i}"] = loc.owner, loc.name
       get = f"G{i}.get(N{i}, M)"
     lines.append(f"  x = {get}")
-    if type(entry) is tuple and entry and entry[0] == "a float input":
+    if loc.kind in BY_CONTENT:
+      env[f"E{i}"] = entry
+      test = f"L{i}.key(x) != E{i}"
+    elif type(entry) is tuple and entry and entry[0] == "a float input":
       pinned = entry[1]
       test = (
         "x.__class__ is not float or x == 0.0 or x == 1.0"
@@ -276,5 +435,8 @@ def _checker(locations, values, key, varying):
 
 def _shown(entry):
   if isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], type):
-    return repr(entry[1])
-  return repr(entry)
+    entry = entry[1]
+  elif isinstance(entry, tuple) and entry and entry[0] == "content":
+    return "content"
+  text = repr(entry)
+  return text if len(text) <= 60 else text[:57] + "..."

@@ -35,8 +35,7 @@ stale: it is warned about once (raised as a RuntimeError when
 """
 
 import collections
-
-import torch
+import typing
 
 from xladist import _settings
 from xladist import runtime as _runtime
@@ -63,6 +62,19 @@ from xladist._step.replay_slots import (
   fn_refs,
   store_refs,
 )
+
+
+class ReplayKey(typing.NamedTuple):
+  """What a replayed step must share with the traced one whose program it runs."""
+
+  signature: tuple  # the step's signature (signature.py): shapes, dtypes, placements
+  fn: tuple  # the objects fn reads by name (replay_slots.fn_refs)
+  args: tuple  # the non-tensor arguments' identities (replay_slots.arg_refs)
+  store: tuple  # the variables and optimizers (replay_slots.store_refs)
+  torch_modes: tuple  # grad mode, autocast, default dtype, ... (read_guards.torch_modes)
+  aggregation: object  # the strategy's gradient aggregation
+  reads: tuple  # what the traces read, guarded (read_guards.Watched.key)
+
 
 DEFAULT_VERIFY_EVERY = 100
 _MAX_KEYS = 16  # keys (programs) kept per strategy, least recently used dropped
@@ -132,6 +144,7 @@ class Replayer:
     self._group_effects = []  # the python_effects.Recorder of each step of the group
     self._reads = {}  # id(code) -> read_guards.Watched: what its traces read
     self.writes = 0  # traced steps whose Python wrote state outside the program
+    self.unfollowed = 0  # traced steps whose Python the recorder could not classify
     self._warned = set()  # id(code) of the step functions said to write (warn_once)
     self.steps = 0
     self.reasons = collections.deque(maxlen=100)
@@ -160,12 +173,12 @@ class Replayer:
     sig = self._signature(fn, args, kwargs, watch)
     code = _code_id(fn)
     reads = self._reads.get(code)
-    key = (
+    key = ReplayKey(
       signatures.replay_entries(sig),
       fn_refs(fn),
       arg_refs(leaves),
       store_refs(store),
-      torch.is_grad_enabled(),
+      read_guards.torch_modes(),
       self._extended.experimental_gradient_aggregation,
       reads.key() if reads is not None else (),
     )
@@ -192,8 +205,7 @@ class Replayer:
         seed,
       )
     if entry.refused is not None:
-      if entry.refused.startswith(python_effects.WROTE):
-        self.writes += 1
+      self.count_refusal(entry.refused)
       return None, self._plain(f"not replayable: {entry.refused}", seed)
     if entry.promoted:
       every, strict = verify_every()
@@ -335,6 +347,13 @@ class Replayer:
         return sig
     return signatures.take(fn, args, kwargs, self._store)
 
+  def count_refusal(self, why):
+    """Counts a traced step of a key refused for its Python (experimental_replay_counts)."""
+    if why.startswith(python_effects.WROTE):
+      self.writes += 1
+    elif why.startswith(python_effects.UNFOLLOWED):
+      self.unfollowed += 1
+
   def warn_once(self, fn, why):
     """Says once per step function, on the "xladist" logger, that its steps are
     traced at every call and why (a write of its Python: python_effects.py)."""
@@ -342,11 +361,17 @@ class Replayer:
     if code in self._warned:
       return
     self._warned.add(code)
+    advice = (
+      "Move the write out of the step function (after strategy.run) to let it replay."
+      if why.startswith(python_effects.WROTE)
+      else "Pass such values as arguments of the step, or read them by name, attribute or "
+      "constant key, to let it replay."
+    )
     logger.warning(
-      "xladist replay: %s is traced at every call, not replayed: %s. Move the write out "
-      "of the step function (after strategy.run) to let it replay.",
+      "xladist replay: %s is traced at every call, not replayed: %s. %s",
       getattr(fn, "__qualname__", fn),
       why,
+      advice,
     )
 
   def varying(self, fn):
@@ -367,11 +392,10 @@ class Replayer:
     reads.add(effects)
     if len(reads.locations) == before:
       return
-    read = {loc.ident(): value for loc, value in effects.locations()}
-    extra = tuple(loc.key(read[i]) for i, loc in list(reads.locations.items())[before:])
+    extra = tuple(effects.key_at_read(i) for i in list(reads.locations)[before:])
     for key, e in list(self._entries.items()):
       if e is entry:
-        new = key[:6] + (key[6] + extra,)
+        new = key._replace(reads=key.reads + extra)
         del self._entries[key]
         self._entries[new] = e
         last = self._last_key.get(code)
@@ -388,9 +412,9 @@ class Replayer:
       fn_entry = dict(key[0]).get("fn")
       if fn_entry is None or fn_entry[2] != code:
         continue
-      values = reads.as_varying(key[6])
-      if values is not None and values != key[6]:
-        new = key[:6] + (values,)
+      values = reads.as_varying(key.reads)
+      if values is not None and values != key.reads:
+        new = key._replace(reads=values)
         if new not in self._entries:
           self._entries[new] = self._entries.pop(key)
 
@@ -403,26 +427,27 @@ class Replayer:
     what = signatures.differences(old_sig, sig)
     if what:
       return f"new signature: {what}"
-    if len(key[6]) == len(old_key[6]) and key[6] != old_key[6]:
+    if len(key.reads) == len(old_key.reads) and key.reads != old_key.reads:
       reads = self._reads[code]
       varying = len(reads.varying)
-      changed = reads.changed(old_key[6], key[6])
+      changed = reads.changed(old_key.reads, key.reads)
       if len(reads.varying) > varying:
         self._rekey(code, reads)
       if changed:
         return "a value the step reads changed: " + "; ".join(changed[:3])
-    names = (
-      None,
-      "an object fn reads by name (closure, global, default argument) was replaced",
-      "a non-tensor argument is another object",
-      "variables or optimizers were replaced (new Parameter objects, optimizer.load_state_dict)",
-      "grad mode changed",
-      "the strategy's gradient aggregation changed",
-      "the step's last trace read values no trace before it had read",
-    )
-    for i in range(1, len(key)):
-      if key[i] != old_key[i]:
-        return f"new key: {names[i]}"
+    names = {
+      "fn": "an object fn reads by name (closure, global, default argument) was replaced",
+      "args": "a non-tensor argument is another object",
+      "store": "variables or optimizers were replaced (new Parameter objects, "
+      "optimizer.load_state_dict)",
+      "torch_modes": "torch's global modes changed (grad mode, autocast, default dtype, "
+      "deterministic algorithms, global module hooks)",
+      "aggregation": "the strategy's gradient aggregation changed",
+      "reads": "the step's last trace read values no trace before it had read",
+    }
+    for field, words in names.items():
+      if getattr(key, field) != getattr(old_key, field):
+        return f"new key: {words}"
     return "a step seen before, dropped from the cache"
 
   def _note(self, why):

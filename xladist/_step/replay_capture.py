@@ -190,7 +190,7 @@ class Attempt:
     entry.failures += 1
     if permanent or entry.failures >= 2:
       entry.refused = why
-      if why.startswith(python_effects.WROTE):
+      if why.startswith((python_effects.WROTE, python_effects.UNFOLLOWED)):
         self._replayer.warn_once(self._step[0], why)
     self._record(f"not captured: {why}")
 
@@ -249,8 +249,10 @@ class Attempt:
     wrote = self.effects.why_not_replayed() if self.effects is not None else None
     if wrote is not None:
       # Left lazy, as without replay; the key's next steps are traced too.
-      self._replayer.writes += 1
-      raise NotCapturable(f"{wrote} (a replay would skip it): traced at every call")
+      self._replayer.count_refusal(wrote)
+      if wrote.startswith(python_effects.WROTE):
+        wrote += " (a replay would skip it)"
+      raise NotCapturable(f"{wrote}: traced at every call")
     ret_spec, returned = _returned(result)
     outs, ret_leaves = [], []
     for j, kind, value in returned:

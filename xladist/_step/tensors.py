@@ -82,6 +82,7 @@ class ReplicaLocalTensor(torch.Tensor):
   """What a replica-local tensor that outlived its step becomes: any use raises."""
 
   _xladist_origin = "the step function"
+  _xladist_host_rules = True  # its rules before a runtime's mode (runtime/torchax_fixes.py)
 
   @classmethod
   def __torch_function__(cls, func, types, args=(), kwargs=None):

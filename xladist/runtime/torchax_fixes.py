@@ -97,6 +97,11 @@ Fixes 3, 9 and 10 are lowerings of their own, in torchax_lowerings.py; on torch
    custom op registered with `torch.library`) raised `OperatorNotFound` once the
    runtime enabled torchax for the process: torch's own runs it, as without
    xladist (outside a step torch is plain torch).
+15. `Tensor.detach` is a Python method of torchax's Tensor, so no torch
+   function mode saw it: a `loss.detach()` kept in a list past a step kept a
+   traced value (jax's `UnexpectedTracerError` at its next use, where torch_xla
+   gives xladist's message). It is torch's own `detach`, lowered by torchax
+   (`aten.detach`), which xladist's step sees like any other op.
 
 Not here (the runtime's step handles it): the PRNG key, which torchax's
 `jax_jit` bakes in at trace time (the same dropout mask every step): the step
@@ -414,5 +419,6 @@ def install():
   for name in _GRAPH_CUTTING_METHODS:  # fix 5
     setattr(txt.Tensor, name, _recorded_under_autograd(getattr(txt.Tensor, name), name))
   txt.Tensor.data = property(_data_alias, txt.Tensor.data.fset)  # fix 6
+  txt.Tensor.detach = torch._C.TensorBase.detach  # fix 15
   torchax_conversions.install()  # not a fix: the operand conversions without torch's pytree
   _installed.append((lowered_function, lowered_dispatch))
