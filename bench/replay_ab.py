@@ -4,8 +4,8 @@ Run (XLA:CPU, 4 virtual devices; `make bench-replay-ab BASE=<rev>`)::
 
   PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 python bench/replay_ab.py --base 27cf8e2
 
-Both trees run the same loop, alternating round by round (each round a fresh process
-per tree, so neither inherits the other's caches): an MLP (4 Linear 64->64 + Tanh)
+Both trees run the same loop, alternating round by round in ABBA order (each round a
+fresh process per tree, so neither inherits the other's caches): an MLP (4 Linear 64->64 + Tanh)
 under MirroredStrategy, SGD with momentum and a StepLR stepped after every `run`, a
 step function that reads a config object (`cfg.beta`) and a module flag, 20 warm-up
 steps, then `--steps` replayed steps timed end to end (`run` + `sync` at the end).
@@ -77,8 +77,8 @@ def _run(tree, steps):
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--base", required=True, help="the revision to compare with")
-  parser.add_argument("--rounds", type=int, default=5)
-  parser.add_argument("--steps", type=int, default=300)
+  parser.add_argument("--rounds", type=int, default=6)
+  parser.add_argument("--steps", type=int, default=1500)
   args = parser.parse_args()
   with tempfile.TemporaryDirectory() as tmp:
     base = os.path.join(tmp, "base")
@@ -87,7 +87,10 @@ def main():
     try:
       ratios = []
       for r in range(args.rounds):
-        a, b = _run(HERE, args.steps), _run(base, args.steps)
+        if r % 2:  # ABBA: neither tree always runs first
+          b, a = _run(base, args.steps), _run(HERE, args.steps)
+        else:
+          a, b = _run(HERE, args.steps), _run(base, args.steps)
         ratios.append(a / b)
         print(f"round {r + 1}: this tree {a:.3f} ms/step, {args.base} {b:.3f} ms/step, "
               f"ratio {a / b:.3f}", flush=True)  # fmt: skip

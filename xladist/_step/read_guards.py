@@ -203,7 +203,10 @@ def module_state(module):
   """What the step's program depends on in a module it runs that its parameters
   do not hold: the train/eval flag, its submodules and which hooks are registered."""
   d = module.__dict__
-  children = tuple((name, _Same(m)) for name, m in d.get("_modules", {}).items())
+  children = d.get("_modules")
+  # (weak references: one per object, made once; equal while alive when their
+  # referents are, so a submodule replaced by another differs)
+  children = tuple(map(weakref.ref, children.values())) if children else ()
   return (module.training, children) + tuple(tuple(d.get(name, ())) for name in _MODULE_TABLES)
 
 
@@ -410,6 +413,12 @@ def _checker(locations, values, key, varying):
     elif loc.kind == "global" and loc.name in loc.owner:
       env[f"G{i}"], env[f"N{i}"] = loc.owner, loc.name
       get = f"G{i}.get(N{i}, M)"
+    if loc.kind == "module" and loc._weak and type(entry[1]) is tuple:
+      # (the common case, one per module the step runs: no wrapper between)
+      env[f"R{i}"], env[f"E{i}"], env["module_state"] = loc._owner, entry[1], module_state
+      lines.append(f"  x = R{i}()")
+      lines.append(f"  if x is None or module_state(x) != E{i}: return False")
+      continue
     lines.append(f"  x = {get}")
     if loc.kind in BY_CONTENT:
       env[f"E{i}"] = entry
