@@ -97,3 +97,51 @@ def test_a_tensor_kept_past_the_step_raises_xladists_message(how):
   for t in kept:
     with pytest.raises(RuntimeError, match="made inside strategy.run .* holds one replica's value"):
       t + 1
+
+
+@pytest.mark.parametrize("through", ["list", "view"])
+def test_a_device_tensor_made_before_the_step_and_written_by_it_is_refused(through):
+  """Issue 59, deliverable 2: torch_ema's shadow copies (`p.detach().clone()` of a
+  placed parameter, updated in place in the step) are device tensors that are not
+  the strategy's variables. torch_xla 2.9 aborted the process at the next sync
+  (`Check failed: !IsManual()`) and the jax runtime left a traced value in them;
+  now the write is refused before anything runs, naming the way out, and the
+  strategy goes on training (the failed step changed nothing)."""
+  import torch
+
+  import xladist as xd
+
+  strategy = xd.MirroredStrategy()
+  with strategy.scope():
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+  shadow = [p.detach().clone() for p in model.parameters()]
+  before = [s.cpu() for s in shadow]
+  weight = model.weight.detach().cpu()
+
+  def ema_step(x):
+    loss = model(x).square().mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    with torch.no_grad():
+      for s, p in zip(shadow, model.parameters()):
+        target = s[:] if through == "view" else s
+        target.mul_(0.9).add_(p.detach(), alpha=0.1)
+    return loss
+
+  def step(x):
+    loss = model(x).square().mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss
+
+  x = strategy.experimental_distribute_values_from_function(lambda ctx: torch.ones(2, 4))
+  with pytest.raises(RuntimeError, match=r"writes in place a tensor of shape \(2, 4\) made before"):
+    strategy.run(ema_step, (x,))
+  assert all(torch.equal(s.cpu(), b) for s, b in zip(shadow, before))
+  torch.testing.assert_close(model.weight.detach().cpu(), weight)  # the failed step wrote nothing
+  loss = strategy.reduce("mean", strategy.run(step, (x,)), axis=None)
+  assert torch.isfinite(loss.cpu())
+  assert not torch.equal(model.weight.detach().cpu(), weight)  # and the next one trains

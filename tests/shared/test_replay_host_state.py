@@ -55,8 +55,9 @@ The EMA's shadow tensors are buffers of a module made under `strategy.scope()`
 MEAN, every replica writes the same value). Plain tensors cannot be: made under
 the scope (`p.detach().clone()` before placement) they stay CPU tensors, and the
 step's `sub_` is refused as a host read; cloned from a placed parameter they are
-XLA tensors outside the step's variables, and writing one in a step aborted
-torch_xla 2.9 (hlo_sharding.cc "Check failed: !IsManual()"; checked at c66e9be).
+XLA tensors outside the step's variables: writing one in a step aborted
+torch_xla 2.9 (hlo_sharding.cc "Check failed: !IsManual()"; checked at c66e9be) and is
+refused with a message since issue 59 (test_replay_closed_world.py).
 
 TF's counterpart: `tf.function` runs a function's Python side effects only when
 it traces (tensorflow/python/eager/polymorphic_function/polymorphic_function_test.py,

@@ -158,7 +158,7 @@ def test_writes_outside_the_program_are_found(name, words, capsys):
 
   recorder, _ = _record(step)
   why = recorder.why_not_replayed()
-  assert why is not None and why.startswith(pe.WROTE), why
+  assert why is not None and why.startswith(pe.WROTE) and why.kind is pe.Reason.WROTE, why
   assert words in why, why
 
 

@@ -47,6 +47,7 @@ it is user code.
 
 import builtins
 import collections
+import enum
 import gc
 import logging
 import sys
@@ -68,6 +69,22 @@ from xladist._step.read_guards import (
 
 WROTE = "the step's Python "  # how the words saying what a step wrote begin
 UNFOLLOWED = "xladist cannot follow what the step's Python does: "
+
+
+class Reason(enum.Enum):
+  """Why a step's Python keeps its key from replaying."""
+
+  WROTE = "it writes state outside the program"
+  UNFOLLOWED = "the recorder cannot classify what it does"
+
+
+class Refusal(str):
+  """The words saying why a key is not replayed, and the kind of reason (`kind`)."""
+
+  def __new__(cls, words, kind):
+    out = str.__new__(cls, words)
+    out.kind = kind
+    return out
 
 
 # -- the recorder --------------------------------------------------------------------------------
@@ -513,12 +530,13 @@ class Recorder:
     """Words saying what the step wrote or what the recorder could not
     classify (UNFOLLOWED), or None."""
     if self.unavailable is not None:
-      return f"{UNFOLLOWED}its reads could not be recorded: {self.unavailable}"
+      words = f"{UNFOLLOWED}its reads could not be recorded: {self.unavailable}"
+      return Refusal(words, Reason.UNFOLLOWED)
     if self.unfollowed:
-      return UNFOLLOWED + "; ".join(self.unfollowed)
+      return Refusal(UNFOLLOWED + "; ".join(self.unfollowed), Reason.UNFOLLOWED)
     if not self.writes:
       return None
-    return WROTE + "; ".join(self.writes)
+    return Refusal(WROTE + "; ".join(self.writes), Reason.WROTE)
 
 
 _ACTIONS = {

@@ -349,9 +349,10 @@ class Replayer:
 
   def count_refusal(self, why):
     """Counts a traced step of a key refused for its Python (experimental_replay_counts)."""
-    if why.startswith(python_effects.WROTE):
+    kind = getattr(why, "kind", None)  # python_effects.Refusal
+    if kind is python_effects.Reason.WROTE:
       self.writes += 1
-    elif why.startswith(python_effects.UNFOLLOWED):
+    elif kind is python_effects.Reason.UNFOLLOWED:
       self.unfollowed += 1
 
   def warn_once(self, fn, why):
@@ -363,7 +364,7 @@ class Replayer:
     self._warned.add(code)
     advice = (
       "Move the write out of the step function (after strategy.run) to let it replay."
-      if why.startswith(python_effects.WROTE)
+      if getattr(why, "kind", None) is python_effects.Reason.WROTE
       else "Pass such values as arguments of the step, or read them by name, attribute or "
       "constant key, to let it replay."
     )

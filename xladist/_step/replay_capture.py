@@ -157,7 +157,7 @@ class Attempt:
       prog, values = self._program(result, seed1)
     except NotCapturable as e:
       # Left lazy, as without replay: the next `strategy.run` (or a read) runs it.
-      self._refused(str(e), e.permanent)
+      self._refused(e.args[0], e.permanent)
       return result
     except Exception as e:  # the runtime refused something: the traced step stands
       self._refused(f"capturing failed ({type(e).__name__}: {e})", True)
@@ -190,7 +190,7 @@ class Attempt:
     entry.failures += 1
     if permanent or entry.failures >= 2:
       entry.refused = why
-      if why.startswith((python_effects.WROTE, python_effects.UNFOLLOWED)):
+      if getattr(why, "kind", None) is not None:  # its Python's (python_effects.Refusal)
         self._replayer.warn_once(self._step[0], why)
     self._record(f"not captured: {why}")
 
@@ -250,9 +250,9 @@ class Attempt:
     if wrote is not None:
       # Left lazy, as without replay; the key's next steps are traced too.
       self._replayer.count_refusal(wrote)
-      if wrote.startswith(python_effects.WROTE):
-        wrote += " (a replay would skip it)"
-      raise NotCapturable(f"{wrote}: traced at every call")
+      skipped = " (a replay would skip it)" if wrote.kind is python_effects.Reason.WROTE else ""
+      words = f"{wrote}{skipped}: traced at every call"
+      raise NotCapturable(python_effects.Refusal(words, wrote.kind))
     ret_spec, returned = _returned(result)
     outs, ret_leaves = [], []
     for j, kind, value in returned:

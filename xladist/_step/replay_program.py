@@ -12,6 +12,7 @@ puts the results where the traced step would have left them (a group of
 
 import contextlib
 import dataclasses
+import enum
 import logging
 import weakref
 
@@ -53,10 +54,20 @@ def _seed_tensor(seed):
 
 # -- captured programs ------------------------------------------------------------------------
 
-SLOT, ARG, CONST, SEED = range(4)
-RET = 4
-DROP = 5  # a result nothing keeps (a value of the step no slot or return holds)
-HYPER = 6  # an optimizer hyperparameter (or arithmetic on some): `prog.hypers[i]`
+
+class Source(enum.IntEnum):
+  """Where a captured program's input comes from, or where a result goes."""
+
+  SLOT = 0  # a slot of the step's state (replay_slots.py)
+  ARG = 1  # an argument of the step
+  CONST = 2  # a constant of the trace
+  SEED = 3  # the step's random seed
+  RET = 4  # a value fn returned
+  DROP = 5  # a result nothing keeps (a value of the step no slot or return holds)
+  HYPER = 6  # an optimizer hyperparameter (or arithmetic on some): `prog.hypers[i]`
+
+
+SLOT, ARG, CONST, SEED, RET, DROP, HYPER = Source
 
 
 @dataclasses.dataclass(slots=True, eq=False)

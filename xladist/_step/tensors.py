@@ -15,6 +15,11 @@ which raises a clear error when used.
 each tensor a torch function returns (not the in-place ones, which return an
 argument). After the step the recorded tensors that something else still
 references are swapped (`torch.utils.swap_tensors`) with placeholders.
+
+It also refuses an in-place write to a device tensor made before the step that
+is not one of the strategy's variables (an EMA helper's shadow copy cloned from
+a placed parameter, directly or through a view): no replica's copy could leave
+the step (torch_xla 2.9 aborted the process at the next sync).
 """
 
 import sys
@@ -48,15 +53,38 @@ _HOST_READS = {
 
 
 # What a torch function is, for StepTensors (looked up once per function).
-_HOST_READ, _TO, _ATTRIBUTE, _DRAW, _OTHER = (
+_HOST_READ, _TO, _ATTRIBUTE, _DRAW, _WRITE, _OTHER = (
   "host read",
   "Tensor.to",
   "attribute access",
   "random draw",
+  "in-place write",
   "other",
 )
 _KINDS = {}  # function -> its kind
 _MAX_KINDS = 4096
+
+
+def _view_base(t):
+  """The tensor `t` is a view of (torch's `_base`; a torchax View's parent), or None."""
+  base = t._base
+  if base is None:
+    parent = getattr(t, "parent", None)  # torchax's View (the jax runtime's slices)
+    base = parent if isinstance(parent, torch.Tensor) else None
+  return base
+
+
+def _writes_first(func):
+  """True for a function that writes its first argument in place (a tensor, or
+  the tensors of a `torch._foreach_*_` op): `add_`, `copy_`, `t[i] = v`."""
+  name = getattr(func, "__name__", "")
+  if name == "__setitem__" or (name.endswith("_") and not name.startswith("__")):
+    return name != "requires_grad_"
+  schema = getattr(func, "_schema", None)  # an OpOverload
+  if schema is not None and schema.arguments:
+    alias = schema.arguments[0].alias_info
+    return alias is not None and alias.is_write
+  return False
 
 
 def _kind(func):
@@ -68,6 +96,8 @@ def _kind(func):
     kind = _ATTRIBUTE  # reading or setting an attribute (t.grad, t.data)
   elif func in _step_random.DRAWS:
     kind = _DRAW
+  elif _writes_first(func):
+    kind = _WRITE
   else:
     kind = _OTHER
   try:
@@ -128,6 +158,8 @@ class StepTensors(TorchFunctionMode):
       if any(isinstance(a, torch.Tensor) and _runtime.is_device_tensor(a) for a in args):
         raise _runtime.HostReadInStep(_runtime.user_frame())
     made = self._made
+    if kind is _WRITE and args:
+      self._check_write(func, args[0])
     if kind is not _ATTRIBUTE:  # reading or setting t.grad, t.data computes nothing
       for a in args:
         if isinstance(a, torch.Tensor):
@@ -154,6 +186,32 @@ class StepTensors(TorchFunctionMode):
         if isinstance(r, torch.Tensor) and id(r) not in made and is_dev(r):
           self._note(r, args, kwargs)
     return result
+
+  def _check_write(self, func, first):
+    """Refuses an in-place write to a device tensor made before the step that is
+    not the strategy's (an EMA helper's shadow copy cloned from a parameter):
+    torch_xla 2.9 aborted the process (`Check failed: !IsManual()`) and the jax
+    runtime kept a traced value in it."""
+    region = self._region
+    for t in first if isinstance(first, (list, tuple)) else (first,):
+      if not isinstance(t, torch.Tensor):
+        continue
+      base = _view_base(t)  # a view writes the tensor it views
+      base = t if base is None else base
+      if id(base) in self._made or not _runtime.is_device_tensor(base):
+        continue
+      if region.is_variable(base):
+        continue
+      if _runtime.creation_index(base) < region._first_id:
+        raise RuntimeError(
+          f"strategy.run: {getattr(func, '__name__', func)} writes in place a tensor of "
+          f"shape {tuple(base.shape)} made before the step that is not a variable of "
+          f"{region.strategy!r} (an EMA helper's shadow copy made with "
+          "`p.detach().clone()`, a counter made on the device by hand): each replica "
+          "would write its own copy, which cannot leave the step. Keep such state in a "
+          "module made under strategy.scope() (`register_buffer`: a variable, written "
+          "by the step like a parameter), or update it after strategy.run."
+        )
 
   def _check_parameter(self, t, func):
     """`t` requires gradients, is a leaf and was not made in the step: it must
