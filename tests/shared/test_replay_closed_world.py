@@ -145,3 +145,47 @@ def test_a_device_tensor_made_before_the_step_and_written_by_it_is_refused(throu
   loss = strategy.reduce("mean", strategy.run(step, (x,)), axis=None)
   assert torch.isfinite(loss.cpu())
   assert not torch.equal(model.weight.detach().cpu(), weight)  # and the next one trains
+
+
+@pytest.mark.parametrize("change", ["rebound", "filled in place"])
+def test_a_device_tensor_reached_through_a_config_object_is_seen(change):
+  """Issue 59, deliverable 2: a device tensor that is not a variable, read by the
+  step through a config object (`cfg.scale`), rebound to another tensor or filled
+  in place between steps: the replayed program reads the tensor `cfg.scale` holds
+  now (rebound: a guard traces again; filled: it is an input read at each replay,
+  as a tensor read by name is). Before, both kept the first trace's tensor."""
+  import torch
+
+  import xladist as xd
+  from xladist import runtime as _runtime
+
+  class Cfg:
+    pass
+
+  strategy = xd.MirroredStrategy()
+  with strategy.scope():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+  cfg = Cfg()
+  cfg.scale = _runtime.place_replicated(torch.tensor(1.0))
+
+  def step(x):
+    loss = model(x).square().mean() * cfg.scale
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss
+
+  x = strategy.experimental_distribute_values_from_function(lambda ctx: torch.ones(2, 4))
+  losses = []
+  for i in range(10):
+    if i == 5:
+      if change == "rebound":
+        cfg.scale = _runtime.place_replicated(torch.tensor(0.0))
+      else:
+        cfg.scale.fill_(0.0)
+    losses.append(float(strategy.reduce("mean", strategy.run(step, (x,)), axis=None)))
+  counts = strategy.extended.experimental_replay_counts
+  assert all(v > 0 for v in losses[:5]) and losses[5:] == [0.0] * 5, (losses, counts)
+  assert counts["replayed"] >= 4, counts

@@ -133,7 +133,9 @@ class StepEngine:
     )
     # What fn's Python reads and writes (python_effects.py), for a step that may
     # be captured; the values read that changed between steps are Hypers.
-    effects = self._effects = python_effects.Recorder(fn) if attempt.wants_hypers() else None
+    effects = self._effects = (
+      python_effects.Recorder(fn, region.is_variable) if attempt.wants_hypers() else None
+    )
     for namespace, name in self._replayer.varying(fn):
       swapped.swap_value(namespace, name)
     try:

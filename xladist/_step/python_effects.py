@@ -15,8 +15,9 @@ library's (bytecode.py: `<string>`, a REPL, exec'd code are followed), and recor
   numpy array or a CPU tensor (read_guards.py). `getattr`/`hasattr`/`vars` with
   a computed name guard the object's attributes; every module the step runs
   has its train/eval flag (as the step found it), submodules and hooks in the
-  key. Device tensors are the program's inputs (slots) and optimizers'
-  hyperparameters Hypers (hyper.py): neither is guarded here.
+  key. A device tensor that is not a variable is guarded by identity (and is an
+  input read at every replay: replay_slots.read_slots); variables are the key's
+  store and optimizers' hyperparameters Hypers (hyper.py).
 * *writes*: what the step changes that its program would not: a global or a
   closure variable of an enclosing function, an attribute or item of an object
   that existed before the step, a container mutated by its methods, a location
@@ -96,7 +97,7 @@ class Recorder:
   Used as a context manager around the call of `fn`; reusable across several
   calls (experimental_run_steps' steps traced as one program)."""
 
-  def __init__(self, fn=None):
+  def __init__(self, fn=None, is_variable=None):
     self.reads = {}  # Location.ident() -> (Location, value at the first read)
     self.writes = []  # what the step wrote, in words (first 8)
     self.unfollowed = []  # what the recorder could not classify, in words (first 8)
@@ -111,6 +112,8 @@ class Recorder:
     self._depth = 0
     self._rng = None
     self._thread = None  # the thread that traces (reads of others are not the step's)
+    # whether a tensor is one of the strategy's variables (their identities are the key's)
+    self._is_variable = is_variable or (lambda t: isinstance(t, torch.nn.Parameter))
     self._hook = None  # the global forward pre-hook that notes the modules run
     self._modes_before = {}  # id(module) -> its train/eval flag before the step set it
     if fn is not None:
@@ -256,7 +259,11 @@ class Recorder:
   # -- reads ------------------------------------------------------------------------------------
   def _read(self, frame, kind, owner, name, value, label, escapes):
     if isinstance(value, torch.Tensor) and not (escapes and by_content(value)):
-      return  # a device tensor: a program input (a slot)
+      if value.device.type != "cpu" and not self._is_variable(value):
+        # a device tensor that is not a variable, reached through an object: the
+        # program reads the one the trace saw, so another one traces again
+        self._note(frame, Location(kind, owner, name, label, False), value)
+      return
     if type(value).__name__ == "Hyper":
       return
     if isinstance(value, types.ModuleType) and kind != "cell":

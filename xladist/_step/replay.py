@@ -375,6 +375,11 @@ class Replayer:
       advice,
     )
 
+  def read_locations(self, fn):
+    """The locations the traces of `fn` read (read_guards.Watched), in order."""
+    reads = self._reads.get(_code_id(fn))
+    return list(reads.locations.values()) if reads is not None else []
+
   def varying(self, fn):
     """[(dict, key)] of the floats fn's traces read that changed between steps:
     swapped for Hypers while a step is traced (program inputs)."""

@@ -44,6 +44,7 @@ from xladist._step.replay_slots import (
   free_slots,
   host_change,
   host_state,
+  read_slots,
   state_slots,
 )
 from xladist.values import _NOT_CONSTANT, Mirrored, PerReplica
@@ -77,6 +78,8 @@ class Attempt:
     store = rep._store
     self._step = (fn, spec, leaves)
     slots = state_slots(store) + free_slots(fn)
+    known = {slot.ident() for slot in slots}
+    slots += [s for s in read_slots(rep.read_locations(fn)) if s.ident() not in known]
     values = [s.get() for s in slots]
     globals_ = []
     new_leaves = list(leaves)

@@ -134,6 +134,26 @@ def free_slots(fn):
   return out
 
 
+def read_slots(locations):
+  """FREE slots: the device tensors the traces of a step read through an object, a
+  dict or a global (read_guards.Location, found by python_effects.Recorder), read
+  afresh at every replay like those `fn` reads by name."""
+  out = []
+  for loc in locations:
+    if loc.kind == "cell":
+      fn = loc.owner
+      value = loc.read()
+      if fn is not None and _is_xla_tensor(value):
+        out.append(_Slot(FREE, value, fn.__closure__[loc.name]))
+      continue
+    namespace = loc.namespace()
+    if namespace is not None:
+      value = namespace.get(loc.name)
+      if _is_xla_tensor(value):
+        out.append(_Slot(FREE, value, namespace, loc.name))
+  return out
+
+
 def host_state(store):
   """What a step could change in optimizers outside the XLA device: host tensors
   (by identity and version) and Python values in their state."""
