@@ -9,7 +9,9 @@ attribute read by a computed name, dict items at computed keys, a nested
 subscript, a list item rebound, a forward hook, a `functools.partial`'s keyword,
 a numpy array and a CPU tensor changed in place, an environment variable, a
 property over a `_`-prefixed attribute, train/eval of a module reached through
-an object, a generator advanced in the step, and a closure variable.
+an object, a generator advanced in the step, a global weight and flag; and three
+loops whose step writes host state (a global counter, the host random generator),
+traced at every step.
 
 This file is self-contained so that it also runs as `python -c "$(cat this file)"`:
 then every function here, the model's `forward` included, is code from
@@ -20,6 +22,7 @@ then every function here, the model's `forward` included, is code from
 
 import functools
 import os
+import random
 import sys
 
 import numpy as np
@@ -326,16 +329,74 @@ def global_weight():
   return _made(step, host)
 
 
+MICRO = 0  # the accumulation loop's micro-step counter, updated by its step
+
+
+def accumulation_counter():
+  def step(model, opt):
+    def fn(x, y):
+      global MICRO
+      loss = F.cross_entropy(model(x), y)
+      loss.backward()
+      MICRO += 1
+      if MICRO == 2:
+        opt.step()
+        opt.zero_grad()
+        MICRO = 0
+      return loss
+
+    return fn
+
+  return _made(step, lambda m: lambda i: None)
+
+
+def host_random():
+  def step(model, opt):
+    def fn(x, y):
+      out = model(x)
+      loss = F.cross_entropy(out, y)
+      if random.random() < 0.5:
+        loss = loss + 0.5 * reg_of(out)
+      return _train(model, opt, loss)
+
+    return fn
+
+  return _made(step, lambda m: lambda i: None)
+
+
+USE_REG = False  # a global flag read by a helper, flipped by the host
+
+
+def _extra(out):
+  return reg_of(out) if USE_REG else 0.0
+
+
+def global_flag():
+  def step(model, opt):
+    def fn(x, y):
+      out = model(x)
+      return _train(model, opt, F.cross_entropy(out, y) + _extra(out))
+
+    return fn
+
+  def host(model):
+    def h(i):
+      global USE_REG
+      USE_REG = phase(i, False, True)
+
+    return h
+
+  return _made(step, host)
+
+
 # name -> (the loop's factory, the most steps of 16 it may trace, or None: any number).
-# REGS[0] rebound reads `.w` of an object no trace before step 7 read: the key grows a
-# location, and the keys made before it (steps 1-6) are not found again at step 13.
 # CONF['loss']['l2'] is a float read at a constant path: once it changes it is made a
 # program input (hyper.py), confirmed by one more trace when it changes again.
 LOOPS = {
   "getattr(cfg, 'w_' + name)": (computed_getattr, MAX_TRACED),
   "LW[k] in a loop": (dict_at_computed_key, MAX_TRACED),
   "CONF['loss']['l2']": (nested_subscript, MAX_TRACED + 1),
-  "for reg in REGS, REGS[0] rebound": (list_item_rebound, MAX_TRACED + 1),
+  "for reg in REGS, REGS[0] rebound": (list_item_rebound, MAX_TRACED),
   "a forward hook added at step 7, removed at 13": (forward_hook_added_and_removed, MAX_TRACED),
   "functools.partial keywords['beta']": (partial_keyword, MAX_TRACED),
   "torch.from_numpy(W), W changed in place": (numpy_array_in_place, MAX_TRACED),
@@ -345,6 +406,9 @@ LOOPS = {
   "trainer.net.train() / .eval()": (mode_through_an_object, MAX_TRACED),
   "next(betas) in the step": (generator_advanced, None),
   "a global weight": (global_weight, MAX_TRACED),
+  "gradient accumulation on a global counter": (accumulation_counter, None),
+  "random.random() in the step": (host_random, None),
+  "a global flag read by a helper": (global_flag, MAX_TRACED),
 }
 
 
@@ -393,8 +457,9 @@ def reference(make):
 
 
 def _reset():
-  global KL
-  KL = 0.1
+  global KL, MICRO, USE_REG
+  KL, MICRO, USE_REG = 0.1, 0, False
+  random.seed(0)
   LW["reg"] = 0.1
   CONF["loss"]["l2"] = 0.1
   REGS[:] = [REGS[0] if isinstance(REGS[0], Reg) and REGS[0].w == 0.1 else Reg(0.1)]

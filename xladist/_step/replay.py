@@ -184,6 +184,10 @@ class Replayer:
     )
     entry = self._entries.get(key)
     if entry is None:
+      entry = self._made_with_fewer_reads(key)
+      if entry is not None:
+        self._entries[key] = entry  # found again under the key with every location
+    if entry is None:
       why = self._why_new(fn, sig, key)
       entry = self._entries[key] = KeyEntry()
       if len(self._entries) > _MAX_KEYS:
@@ -239,6 +243,16 @@ class Replayer:
     else:
       why = "second trace of this signature: captured and compared with the first"
     return None, self._capture(fn, entry, leaves, spec, why, seed)
+
+  def _made_with_fewer_reads(self, key):
+    """The entry of a key made before this function's traces found more locations
+    (a branch taken later read more), equal to `key` on the locations it has: its
+    program did not read the others. Or None."""
+    for old, entry in self._entries.items():
+      n = len(old.reads)
+      if n < len(key.reads) and old[:-1] == key[:-1] and old.reads == key.reads[:n]:
+        return entry
+    return None
 
   def replay_steps(self, fn, args_list):
     """The k steps after a replayed one in `experimental_run_steps`, as ONE
