@@ -127,23 +127,29 @@ def _train(model, opt, loss):
   return loss
 
 
+def _weighted(weight):
+  """A step function factory: cross-entropy plus `weight(model) * reg_of(out)`, the
+  weight read inside the step (so by the step's own code, as the recorder sees it)."""
+
+  def step_of(model, opt):
+    def fn(x, y):
+      out = model(x)
+      return _train(model, opt, F.cross_entropy(out, y) + weight(model) * reg_of(out))
+
+    return fn
+
+  return step_of
+
+
 # -- the loops ----------------------------------------------------------------------------------
 
 
 def computed_getattr():
-  def step_of(model, opt):
-    cfg = model.cfg = Cfg()
+  def host(model):
+    model.cfg = Cfg()
+    return lambda i: setattr(model.cfg, "w_reg", phase(i, 0.1, 0.5))
 
-    def step(x, y):
-      out = model(x)
-      loss = F.cross_entropy(out, y)
-      for name in ("reg",):
-        loss = loss + getattr(cfg, "w_" + name) * reg_of(out)
-      return _train(model, opt, loss)
-
-    return step
-
-  return _made(step_of, lambda m: lambda i: setattr(m.cfg, "w_reg", phase(i, 0.1, 0.5)))
+  return _made(_weighted(lambda m: sum(getattr(m.cfg, "w_" + k) for k in ("reg",))), host)
 
 
 def dict_at_computed_key():
@@ -160,15 +166,8 @@ def dict_at_computed_key():
 
 
 def nested_subscript():
-  def step(model, opt):
-    def fn(x, y):
-      out = model(x)
-      loss = F.cross_entropy(out, y) + CONF["loss"]["l2"] * reg_of(out)
-      return _train(model, opt, loss)
-
-    return fn
-
-  return _made(step, lambda m: lambda i: CONF["loss"].__setitem__("l2", phase(i, 0.1, 0.5)))
+  host = lambda m: lambda i: CONF["loss"].__setitem__("l2", phase(i, 0.1, 0.5))  # noqa: E731
+  return _made(_weighted(lambda m: CONF["loss"]["l2"]), host)
 
 
 def list_item_rebound():
@@ -225,37 +224,16 @@ def partial_keyword():
 
 
 def numpy_array_in_place():
-  def step(model, opt):
-    def fn(x, y):
-      out = model(x)
-      w = float(torch.from_numpy(W).sum())
-      return _train(model, opt, F.cross_entropy(out, y) + w * reg_of(out))
-
-    return fn
-
-  return _made(step, lambda m: lambda i: W.__setitem__(0, phase(i, 0.1, 0.5)))
+  host = lambda m: lambda i: W.__setitem__(0, phase(i, 0.1, 0.5))  # noqa: E731
+  return _made(_weighted(lambda m: float(torch.from_numpy(W).sum())), host)
 
 
 def cpu_tensor_filled():
-  def step(model, opt):
-    def fn(x, y):
-      out = model(x)
-      return _train(model, opt, F.cross_entropy(out, y) + float(model.scale) * reg_of(out))
-
-    return fn
-
-  return _made(step, lambda m: lambda i: m.scale.fill_(phase(i, 1.0, 0.25)))
+  host = lambda m: lambda i: m.scale.fill_(phase(i, 1.0, 0.25))  # noqa: E731
+  return _made(_weighted(lambda m: float(m.scale)), host)
 
 
 def environment_variable():
-  def step(model, opt):
-    def fn(x, y):
-      out = model(x)
-      w = float(os.environ.get(ENV, "0.1"))
-      return _train(model, opt, F.cross_entropy(out, y) + w * reg_of(out))
-
-    return fn
-
   def host(model):
     def h(i):
       if 6 <= i < 12:
@@ -265,18 +243,12 @@ def environment_variable():
 
     return h
 
-  return _made(step, host)
+  return _made(_weighted(lambda m: float(os.environ.get(ENV, "0.1"))), host)
 
 
 def property_over_private():
-  def step(model, opt):
-    def fn(x, y):
-      out = model(x)
-      return _train(model, opt, F.cross_entropy(out, y) + model.alpha * reg_of(out))
-
-    return fn
-
-  return _made(step, lambda m: lambda i: setattr(m, "_progress", phase(i, 1.0, 0.25)))
+  host = lambda m: lambda i: setattr(m, "_progress", phase(i, 1.0, 0.25))  # noqa: E731
+  return _made(_weighted(lambda m: m.alpha), host)
 
 
 TRAINERS = []  # the trainer object of mode_through_an_object, for its host code
@@ -312,13 +284,6 @@ KL = 0.1  # a global weight, annealed (python -c: the global of `<string>`)
 
 
 def global_weight():
-  def step(model, opt):
-    def fn(x, y):
-      out = model(x)
-      return _train(model, opt, F.cross_entropy(out, y) + KL * reg_of(out))
-
-    return fn
-
   def host(model):
     def h(i):
       global KL
@@ -326,7 +291,7 @@ def global_weight():
 
     return h
 
-  return _made(step, host)
+  return _made(_weighted(lambda m: KL), host)
 
 
 MICRO = 0  # the accumulation loop's micro-step counter, updated by its step
@@ -390,8 +355,9 @@ def global_flag():
 
 
 # name -> (the loop's factory, the most steps of 16 it may trace, or None: any number).
-# CONF['loss']['l2'] is a float read at a constant path: once it changes it is made a
-# program input (hyper.py), confirmed by one more trace when it changes again.
+# CONF['loss']['l2'] and the global weight are floats read at a constant path: once one
+# changes it is made a program input (hyper.py), confirmed by one more trace when it
+# changes again.
 LOOPS = {
   "getattr(cfg, 'w_' + name)": (computed_getattr, MAX_TRACED),
   "LW[k] in a loop": (dict_at_computed_key, MAX_TRACED),
@@ -405,7 +371,7 @@ LOOPS = {
   "a property over self._progress": (property_over_private, MAX_TRACED),
   "trainer.net.train() / .eval()": (mode_through_an_object, MAX_TRACED),
   "next(betas) in the step": (generator_advanced, None),
-  "a global weight": (global_weight, MAX_TRACED),
+  "a global weight": (global_weight, MAX_TRACED + 1),
   "gradient accumulation on a global counter": (accumulation_counter, None),
   "random.random() in the step": (host_random, None),
   "a global flag read by a helper": (global_flag, MAX_TRACED),

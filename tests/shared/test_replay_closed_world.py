@@ -11,7 +11,7 @@ Before, each of them replayed the program of the old value (wrong by 2.6-85 % of
 the weights' scale in the issue's measurements). Each must now equal plain
 PyTorch on the CPU on the global batch (losses and every tensor within 1e-4 of
 its scale) while still replaying: a loop whose host state changes twice traces at
-most 6 of its 16 steps (the CONF loop 7: its file says why); the generator's is
+most 6 of its 16 steps (two of them 7: the file says why); the generator's is
 traced at every step, and so are the loops whose step writes host state (a global
 counter, the host random generator).
 
@@ -87,10 +87,7 @@ def test_a_tensor_kept_past_the_step_raises_xladists_message(how):
   kept = []
 
   def step(x):
-    loss = model(x).square().mean()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
+    loss = loops._train(model, opt, model(x).square().mean())
     kept.append(getattr(loss, how)())
     return loss
 
@@ -122,22 +119,15 @@ def test_a_device_tensor_made_before_the_step_and_written_by_it_is_refused(throu
   before = [s.cpu() for s in shadow]
   weight = model.weight.detach().cpu()
 
+  def step(x):
+    return loops._train(model, opt, model(x).square().mean())
+
   def ema_step(x):
-    loss = model(x).square().mean()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
+    loss = step(x)
     with torch.no_grad():
       for s, p in zip(shadow, model.parameters()):
         target = s[:] if through == "view" else s
         target.mul_(0.9).add_(p.detach(), alpha=0.1)
-    return loss
-
-  def step(x):
-    loss = model(x).square().mean()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
     return loss
 
   x = strategy.experimental_distribute_values_from_function(lambda ctx: torch.ones(2, 4))
@@ -174,11 +164,7 @@ def test_a_device_tensor_reached_through_a_config_object_is_seen(change):
   cfg.scale = _runtime.place_replicated(torch.tensor(1.0))
 
   def step(x):
-    loss = model(x).square().mean() * cfg.scale
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss
+    return loops._train(model, opt, model(x).square().mean() * cfg.scale)
 
   x = strategy.experimental_distribute_values_from_function(lambda ctx: torch.ones(2, 4))
   losses = []
