@@ -59,6 +59,17 @@ def test_the_design_stays_under_900_lines():
   )
 
 
+def test_no_module_of_the_step_engine_is_over_600_lines():
+  """Issue 59: the step engine's modules stay small enough to read (split by what
+  they hold: the recorder, its tables, the host objects it knows, the guards)."""
+  long = {
+    p.name: n
+    for p in sorted((ROOT / "xladist" / "_step").glob("*.py"))
+    if (n := len(p.read_text().splitlines())) > 600
+  }
+  assert not long, f"xladist/_step modules over 600 lines: {long}"
+
+
 def test_the_docs_and_the_decisions_are_checked():
   names = {p.relative_to(ROOT).as_posix() for p in DOCS}
   assert {"docs/architecture.md", "docs/performance.md", "docs/decisions/README.md"} <= names

@@ -36,14 +36,11 @@ collector began tracking it during the trace (`gc.freeze()` at the start moves
 every object tracked then to the permanent generation, so `gc.get_objects()`
 lists only those tracked since), or when it is a dict held by a local variable
 that the frame only ever binds to dict displays (`out = {}`, `d = {"n": 0}`).
-CPython leaves a dict of atomic values untracked until a container enters it:
-such a dict found any other way is taken as older than the step (a write to it
-stops replay: slower, never wrong).
+CPython leaves a dict of atomic values untracked: such a dict found any other
+way is taken as older than the step (a write to it stops replay: slower, never wrong).
 
-Attributes are looked up without running code (the instance dict, an
-`nn.Module`'s parameters, buffers and submodules, slots, plain class
-attributes): a property or `__getattr__` is a frame of its own, followed when
-it is user code.
+Attributes are looked up without running code (read_guards.static_get): a
+property or `__getattr__` is a frame of its own, followed when it is user code.
 """
 
 import builtins
