@@ -62,6 +62,7 @@ from xladist._step.read_guards import (
   SKIP,
   Location,
   by_content,
+  module_state,
   static_get,
 )
 
@@ -421,14 +422,13 @@ class Recorder:
     """The global forward pre-hook: a module the step runs, however it is
     reached, has its train/eval flag and hooks in the key (the flag as the step
     found it: a step that calls `.train()` itself replays after an `.eval()`)."""
-    if threading.get_ident() == self._thread and not self._is_born(module):
-      label = f"{type(module).__name__} at {id(module):#x}: train/eval and hooks"
-      ident = ("module", id(module), None)
-      if ident not in self.reads:
-        before = self._modes_before.get(id(module), module.training)
-        loc = Location("module", module, None, label, True)
-        self._keys[ident] = ("content", (before,) + loc.key(module)[1][1:])
-        self.reads[ident] = (loc, None)
+    ident = ("module", id(module), None)  # Location.ident() of the module's location
+    if ident in self.reads or threading.get_ident() != self._thread or self._is_born(module):
+      return
+    label = f"{type(module).__name__} at {id(module):#x}: train/eval and hooks"
+    before = self._modes_before.get(id(module), module.training)
+    self._keys[ident] = ("content", module_state(module, training=before))
+    self.reads[ident] = (Location("module", module, None, label, True), None)
 
   def _mode_set(self, module):
     """`module.train(mode)` / `.eval()` in the step: the flags before it, kept."""

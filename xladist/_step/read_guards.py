@@ -199,15 +199,17 @@ def _content(v, budget, depth):
   return _Same(v)
 
 
-def module_state(module):
+def module_state(module, training=None):
   """What the step's program depends on in a module it runs that its parameters
-  do not hold: the train/eval flag, its submodules and which hooks are registered."""
+  do not hold: the train/eval flag (`training` when given: the flag as a step
+  found it before setting it), its submodules and which hooks are registered."""
   d = module.__dict__
   children = d.get("_modules")
   # (weak references: one per object, made once; equal while alive when their
   # referents are, so a submodule replaced by another differs)
   children = tuple(map(weakref.ref, children.values())) if children else ()
-  return (module.training, children) + tuple(tuple(d.get(name, ())) for name in _MODULE_TABLES)
+  flag = module.training if training is None else training
+  return (flag, children) + tuple(tuple(d.get(name, ())) for name in _MODULE_TABLES)
 
 
 class _Unguarded:
