@@ -28,7 +28,7 @@ WHERE_XLADIST := -c 'import sys; del sys.path[0]; import os, importlib.util; \
 	spec = importlib.util.find_spec("xladist"); \
 	print(os.path.dirname(os.path.dirname(os.path.realpath(spec.origin))) if spec else "nowhere")'
 
-.PHONY: own-code which-xladist test-ecosystem test-jax-matrix test-xla-ecosystem test-jax-ecosystem bench-scaling bench-memory bench-sharding venv venv-jax venv-jax-new test-jax test-jax-old test-jax-new test-xla check demo charlm demo-ps bench-ps test lint bench bench-input bench-collectives bench-logical \
+.PHONY: own-code which-xladist test-ecosystem test-jax-matrix test-xla-ecosystem test-jax-ecosystem bench-scaling bench-memory bench-sharding bench-sharding-depth venv venv-jax venv-jax-new test-jax test-jax-old test-jax-new test-xla check demo charlm demo-ps bench-ps test lint bench bench-input bench-collectives bench-logical \
 	gpu-wheels gpu-check \
 	bench-first-step bench-checkpoint bench-replay-ab plots clean-venv
 
@@ -231,6 +231,13 @@ endif
 # ARGS=--jax adds xladist on the jax runtime (about 6 minutes in all).
 bench-sharding: venv venv-jax
 	$(RUN) bench/sharding.py --jax-python $(JAX_PY) $(ARGS)
+
+# ZeRO-3's peak inside a step by depth (issue 60): 16/32/64 x Linear(1024, 1024), SGD,
+# xladist Mirrored and "parameters" on both runtimes beside torch_xla FSDPv2 and
+# hand-written jax FSDP (scan, with and without jax.checkpoint): program bytes per
+# device, peak RSS, step time (about 8 minutes). ARGS="--optimizer adamw --depths 32".
+bench-sharding-depth: venv venv-jax
+	$(RUN) bench/sharding_depth.py --jax-python $(JAX_PY) $(ARGS)
 
 bench-input: venv
 	$(CPU_ENV) $(RUN) bench/input_pipeline.py --rounds 12

@@ -3,6 +3,7 @@ process's resident set, its peak, the MLP and batch both train, and the
 options naming the interpreters of each runtime."""
 
 import resource
+import time
 
 WIDTH = 1024
 
@@ -52,3 +53,14 @@ def add_interpreter_arguments(parser):
     default=None,
     help="an interpreter with jax, optax and torchax (default: this one when XLADIST_BACKEND=jax)",
   )
+
+
+def timed(steps, one_step):
+  """Runs `one_step()` `steps` times (each returns once the devices have finished
+  it); returns the wall time of each step in seconds."""
+  times = []
+  for _ in range(steps):
+    start = time.perf_counter()
+    one_step()
+    times.append(time.perf_counter() - start)
+  return times

@@ -69,7 +69,7 @@ import subprocess
 import sys
 import time
 
-from _memory_shared import WIDTH, add_interpreter_arguments, batch, mlp, peak, rss
+from _memory_shared import WIDTH, add_interpreter_arguments, batch, mlp, peak, rss, timed
 
 LR, WD, T_MAX, MAX_NORM = 1e-3, 1e-2, 1000, 1.0
 MB = 1024 * 1024
@@ -120,17 +120,6 @@ def _torch_loop(model):
   return opt, sched, step
 
 
-def _timed(steps, one_step):
-  """Runs `one_step()` `steps` times (each returns once the devices have finished
-  it); returns the wall time of each step in seconds."""
-  times = []
-  for _ in range(steps):
-    start = time.perf_counter()
-    one_step()
-    times.append(time.perf_counter() - start)
-  return times
-
-
 # -- the children: one variant each ---------------------------------------------------------
 
 
@@ -163,7 +152,7 @@ def _xladist(level, layers, rows, steps):
     _runtime.sync()  # launches a traced step; a replayed one is launched by `run`
     _runtime.wait()
 
-  times = _timed(steps, one_step)
+  times = timed(steps, one_step)
   loss = strategy.reduce("mean", out[0], axis=None).item()
   # On `strategy.extended` in this release (issue 51 names it on the strategy).
   owner = strategy if hasattr(strategy, "experimental_state_bytes") else strategy.extended
@@ -199,7 +188,7 @@ def _fsdpv2(layers, rows, steps):
     torch_xla.sync()
     xm.wait_device_ops()
 
-  times = _timed(steps, one_step)
+  times = timed(steps, one_step)
   return base, out[0].item(), times, None, ""
 
 
@@ -253,7 +242,7 @@ def _hand_jax(layers, rows, steps):
     carry[:] = jitted(carry[0], carry[1], x)
     jax.block_until_ready(carry)
 
-  times = _timed(steps, one_step)
+  times = timed(steps, one_step)
   return base, float(carry[2]), times, None, ""
 
 
@@ -278,14 +267,14 @@ def _child(variant, layers, rows, steps):
     base, loss, times, held, note = _fsdpv2(layers, rows, steps)
   else:
     base, loss, times, held, note = _hand_jax(layers, rows, steps)
-  timed = times[min(FIRST_TIMED - 1, len(times) - 1) :]
+  kept = times[min(FIRST_TIMED - 1, len(times) - 1) :]
   result = {
     "base": base,
     "peak": peak(),
     "end": rss(),
     "loss": loss,
-    "step_s": statistics.median(timed),
-    "fastest_s": min(timed),
+    "step_s": statistics.median(kept),
+    "fastest_s": min(kept),
     "times_s": times,
     "state_bytes": held,
     "note": note,

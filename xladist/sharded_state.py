@@ -16,9 +16,12 @@ Inside a traced step (docs/architecture.md, "Sharded state"):
   "optimizer_state" and "gradients", or kept as they are under "parameters".
 * gradients ("gradients", "parameters"): the aggregated gradient is
   reduce-scattered: each replica keeps the rows of its share.
-* parameters ("parameters"): the parameter itself is rows between steps; a
-  step gathers the rows of every sharded parameter when it begins (all-gathers in
-  packs of at most 4 MiB) and the full copies are temporaries of the program.
+* parameters ("parameters"): the parameter itself is rows between steps; inside
+  a step each unit (a module that holds some) gathers its rows when it runs and
+  again in its backward (sharded_units.py), so whole copies live only while
+  their unit computes. The step's own code sees whole parameters too: a gather
+  of every sharded parameter when the step begins, which XLA drops where nothing
+  uses it.
 
 `state_dict()` of a module or an optimizer returns whole tensors, and
 `load_state_dict` takes whole tensors (`watch_module`, `watch_optimizer`).
@@ -217,6 +220,7 @@ class ShardedStep:
     "_grads",
     "_grad_rows",
     "stepping",
+    "unit_of",
   )
 
   def __init__(self, region):
@@ -228,6 +232,7 @@ class ShardedStep:
     self._grads = {}  # id(param) -> its full aggregated gradient, during optimizer.step()
     self.stepping = {}  # id(optimizer) -> the parameters `to_shards` changed for it
     self._grad_rows = {}  # id(param) -> this replica's row of its reduce-scattered gradient
+    self.unit_of = {}  # id(param) -> the unit that first gathered it (sharded_units.py)
 
   # -- "parameters": rows on entry, full copies while the step runs ---------------------
   def enter(self, t, local, layout):
@@ -240,23 +245,33 @@ class ShardedStep:
     todo, self._gathered = self._gathered, []
     self._gather(todo)
 
-  def _gather(self, params):
+  def gatherable(self, p):
+    """True for a parameter kept as rows whose whole value a unit may gather:
+    the step's code has not written it (it holds a gather of its rows, or its
+    rows after `optimizer.step()`)."""
+    layout = layout_of(p)
+    if id(p) not in self.rows or layout is None or not layout.params:
+      return False
+    return self.is_gathered(p) or (tuple(p.shape) == (layout.k,) and layout.shape != p.shape)
+
+  def is_gathered(self, p):
+    """True while `p` holds a whole value gathered from its rows by this step."""
+    return _runtime.value_id(p) == self.full_ids.get(id(p))
+
+  def gather(self, params, rows=None):
+    """These parameters get the whole value of their current rows (`sharded_units`;
+    `rows`: copies of them to gather instead)."""
+    self._gather(params, rows)
+
+  def _gather(self, params, rows=None):
     if not params:
       return
-    full = gather([self.rows[id(p)] for p in params], [layout_of(p) for p in params], self.region)
+    if rows is None:
+      rows = [self.rows[id(p)] for p in params]
+    full = gather(rows, [layout_of(p) for p in params], self.region)
     for p, value in zip(params, full):
       p.data = value
       self.full_ids[id(p)] = _runtime.value_id(p)
-
-  def regather(self, module):
-    """Before a module's forward in the step: its parameters left as rows by
-    `optimizer.step()` get their full value again."""
-    todo = [
-      p
-      for p in module._parameters.values()
-      if p is not None and id(p) in self.rows and tuple(p.shape) != tuple(layout_of(p).shape)
-    ]
-    self._gather(todo)
 
   def exit_value(self, t, data, layout):
     """The global value a "parameters" variable leaves with (`data`: what it entered from)."""
@@ -288,15 +303,25 @@ class ShardedStep:
     else:
       stacked = [lay.to_rows(p.grad) for p, lay in zip(params, layouts)]
       rows = collectives.reduce_scatter(
-        op,
-        stacked,
-        self.region.num_replicas,
-        packs=collectives.pack_by_bytes(stacked, pack_bytes()),
+        op, stacked, self.region.num_replicas, packs=self._packs(params, stacked)
       )
     for p, row in zip(params, rows):
       self._grad_rows[id(p)] = row
       if not keep_grads:
         p.grad = None
+
+  def _packs(self, params, tensors):
+    """Packs of at most `pack_bytes()` for the reduce-scatter of these gradients,
+    none across units ("parameters": a pack of two units' gradients would keep
+    the first's whole gradient until backward reaches the second)."""
+    groups = {}
+    for i, p in enumerate(params):
+      groups.setdefault(self.unit_of.get(id(p)), []).append(i)
+    packs = []
+    for indices in groups.values():
+      sub = collectives.pack_by_bytes([tensors[i] for i in indices], pack_bytes())
+      packs.extend([indices[j] for j in pack] for pack in sub)
+    return packs
 
   def grad_rows_of(self, params):
     return {id(p): self._grad_rows[id(p)] for p in params if id(p) in self._grad_rows}

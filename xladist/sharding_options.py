@@ -21,20 +21,29 @@ class ShardingOptions:
   Args:
     shard: "optimizer_state" (ZeRO-1: the optimizer's state), "gradients"
       (ZeRO-2: the gradients are reduce-scattered and the optimizer state is
-      sharded), or "parameters" (ZeRO-3: parameters too; each step gathers them
-      when it begins and frees the full copies when it ends).
+      sharded), or "parameters" (ZeRO-3: parameters too; a step gathers a
+      unit's parameters when it runs and again in its backward, see `units`).
     min_shard_bytes: a tensor of at least this many bytes (its own size) is
       sharded; a smaller one stays mirrored, and a scalar never shards. 0
       shards every tensor that is not a scalar.
+    units: under "parameters", which modules' parameters are gathered together
+      (FSDP's auto-wrap policy). None (the default): every module that owns
+      sharded parameters is a unit of its own parameters. A tuple of module
+      classes, or a function module -> bool: a module it names is one unit
+      with every parameter below it (a nested module it names is a unit of its
+      own), e.g. `units=(GPT2Block,)`. A unit's parameters are whole only
+      while its forward and its backward run.
 
   Raises:
     ValueError: `shard` is not one of the three names, or `min_shard_bytes` is
       not a whole number at least 0.
+    TypeError: `units` is not None, a tuple of `torch.nn.Module` classes or a
+      function.
   """
 
-  __slots__ = ("shard", "min_shard_bytes")
+  __slots__ = ("shard", "min_shard_bytes", "units")
 
-  def __init__(self, shard="optimizer_state", min_shard_bytes=65536):
+  def __init__(self, shard="optimizer_state", min_shard_bytes=65536, units=None):
     if shard not in LEVELS:
       raise ValueError(
         f"ShardingOptions(shard={shard!r}): expected one of "
@@ -51,6 +60,7 @@ class ShardingOptions:
       )
     self.shard = shard
     self.min_shard_bytes = min_shard_bytes
+    self.units = _check_units(units)
 
   def shards(self, kind):
     """True when state of `kind` ("parameters", "gradients", "optimizer_state") is sharded."""
@@ -61,16 +71,36 @@ class ShardingOptions:
     return tensor.dim() > 0 and tensor.numel() * tensor.element_size() >= self.min_shard_bytes
 
   def __eq__(self, other):
-    return isinstance(other, ShardingOptions) and (self.shard, self.min_shard_bytes) == (
-      other.shard,
-      other.min_shard_bytes,
-    )
+    return isinstance(other, ShardingOptions) and self._key() == other._key()
 
   def __hash__(self):
-    return hash((self.shard, self.min_shard_bytes))
+    return hash(self._key())
+
+  def _key(self):
+    return (self.shard, self.min_shard_bytes, self.units)
 
   def __repr__(self):
-    return f"ShardingOptions(shard={self.shard!r}, min_shard_bytes={self.min_shard_bytes})"
+    units = "" if self.units is None else f", units={self.units!r}"
+    return f"ShardingOptions(shard={self.shard!r}, min_shard_bytes={self.min_shard_bytes}{units})"
+
+
+def _check_units(units):
+  import torch
+
+  if units is None or (callable(units) and not isinstance(units, type)):
+    return units
+  if isinstance(units, type):
+    units = (units,)
+  if (
+    isinstance(units, (tuple, list))
+    and units
+    and all(isinstance(u, type) and issubclass(u, torch.nn.Module) for u in units)
+  ):
+    return tuple(units)
+  raise TypeError(
+    f"ShardingOptions(units={units!r}): expected None, a tuple of torch.nn.Module "
+    "classes (e.g. units=(GPT2Block,)), or a function module -> bool."
+  )
 
 
 def check(value, api):

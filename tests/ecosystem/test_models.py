@@ -283,15 +283,28 @@ def test_model_trains_like_plain_pytorch_within_float32s_own_rounding(
   _check_against_plain_pytorch(strategy, name, loop)
 
 
+def _block_of(name):
+  if name == "gpt2":
+    return transformers.models.gpt2.modeling_gpt2.GPT2Block
+  return transformers.models.llama.modeling_llama.LlamaDecoderLayer
+
+
 @pytest.mark.ecosystem_matrix
-def test_gpt2_trains_with_parameters_gradients_and_optimizer_state_sharded():
-  """Issue 51: Hugging Face's GPT-2 under ShardingOptions(shard="parameters")
-  (ZeRO-3, every tensor sharded: min_shard_bytes=0; its tied embedding and
-  head are one variable), AdamW + warm-up + clip_grad_norm_, held to the same
-  bound against float64 PyTorch, replayed as without sharding."""
-  sharding = xd.experimental.ShardingOptions("parameters", min_shard_bytes=0)
+@pytest.mark.parametrize(
+  "name, units", [("gpt2", None), ("gpt2", "block"), ("llama", "block")], ids=str
+)
+def test_hf_models_train_with_parameters_gradients_and_optimizer_state_sharded(name, units):
+  """Issues 51 and 60: Hugging Face's GPT-2 and Llama under
+  ShardingOptions(shard="parameters") (ZeRO-3, every tensor sharded:
+  min_shard_bytes=0; GPT-2's tied embedding and head are one variable), each
+  module its own unit or each decoder block one unit (`units=(GPT2Block,)`,
+  FSDP's transformer auto-wrap policy), AdamW + warm-up + clip_grad_norm_, held
+  to the same bound against float64 PyTorch, replayed as without sharding."""
+  sharding = xd.experimental.ShardingOptions(
+    "parameters", min_shard_bytes=0, units=None if units is None else (_block_of(name),)
+  )
   strategy = xd.MirroredStrategy(experimental_sharding=sharding)
-  _check_against_plain_pytorch(strategy, "gpt2", "adamw-warmup-clip")
+  _check_against_plain_pytorch(strategy, name, "adamw-warmup-clip")
 
 
 def _check_against_plain_pytorch(strategy, name, loop):

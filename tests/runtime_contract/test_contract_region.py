@@ -1,6 +1,6 @@
 """The runtime contract's step region: `traced_step`, `to_local`, `to_global`,
-`spmd_all_reduce`, `spmd_reduce_scatter`, `spmd_all_gather`, `no_execution` and
-`foreign_idioms` (and `held_bytes`, which reads a placement).
+`spmd_all_reduce`, `spmd_reduce_scatter`, `spmd_all_gather`, `optimization_barrier_`,
+`no_execution` and `foreign_idioms` (and `held_bytes`, which reads a placement).
 
 Twice over: the operations called directly (a step body that enters a split
 and a replicated tensor, reduces across replicas and leaves, as the step
@@ -117,6 +117,30 @@ def test_reduce_scatter_and_all_gather_in_a_traced_step():
   want = 0.5 * x.numpy().sum(0)  # row r of the sum, on replica r
   np.testing.assert_allclose(rows.numpy(), want, rtol=1e-6)
   np.testing.assert_allclose(gathered.numpy(), want * np.arange(1, N + 1)[:, None], rtol=1e-6)
+
+
+def test_optimization_barrier_keeps_the_values_and_the_gradient():
+  """Runtime.optimization_barrier_ (ZeRO-3's gathers again in backward, issue 60):
+  in place, the tensors keep their values; autograd does not see it (a gradient
+  through a tensor it rewrote is the gradient without it)."""
+  x = torch.arange(N * 3, dtype=torch.float32).reshape(N, 3) - 5
+  split = runtime.place_split(x)
+
+  def body():
+    with runtime.no_execution():
+      local = runtime.to_local(split).squeeze(0)  # (3,): replica r's row
+      w = (local * 2).requires_grad_()
+      h = w * w
+      other = local + 1
+      runtime.optimization_barrier_([h, other])
+      (g,) = torch.autograd.grad(h.sum(), [w])
+      out = torch.stack([h.detach(), other, g])  # (3, 3)
+      return runtime.to_global(out.unsqueeze(0), runtime.sharding(3, N), torch.Size((N, 3, 3)))
+
+  (got,) = runtime.to_host([runtime.traced_step(body)])
+  w = 2 * x.numpy()
+  want = np.stack([w * w, x.numpy() + 1, 2 * w], axis=1)  # (N, 3, 3)
+  np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
 
 
 def test_held_bytes_is_what_the_fullest_device_holds():

@@ -63,6 +63,49 @@ def test_bad_values_raise_value_errors_naming_the_argument(kwargs, match):
     ShardingOptions(**kwargs)
 
 
+@pytest.mark.parametrize("units", ["Block", (int,), (), [torch.nn.Linear, "x"], 3])
+def test_units_that_name_no_modules_raise_a_type_error(units):
+  with pytest.raises(TypeError, match=r"ShardingOptions\(units=.*tuple of torch.nn.Module classes"):
+    ShardingOptions("parameters", units=units)
+
+
+def test_units_are_part_of_the_options_identity():
+  def rule(m):
+    return isinstance(m, torch.nn.Linear)
+
+  by_class = ShardingOptions("parameters", units=torch.nn.Linear)  # one class: a tuple of it
+  assert by_class.units == (torch.nn.Linear,)
+  assert by_class == ShardingOptions("parameters", units=[torch.nn.Linear])
+  assert by_class != ShardingOptions("parameters")
+  assert ShardingOptions("parameters", units=rule).units is rule
+  assert hash(by_class) == hash(ShardingOptions("parameters", units=(torch.nn.Linear,)))
+  assert "units=(<class 'torch.nn.modules.linear.Linear'>,)" in repr(by_class)
+  assert "units" not in repr(ShardingOptions("parameters"))
+
+
+class _Block(torch.nn.Module):
+  def __init__(self):
+    super().__init__()
+    self.a = torch.nn.Linear(2, 2)
+    self.inner = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2))
+
+
+def test_a_named_unit_holds_the_parameters_below_it_except_nested_units():
+  from xladist.sharded_units import UnitGathers, unit_rule
+
+  outer = torch.nn.Sequential(_Block(), _Block())
+  outer.extra = torch.nn.Linear(2, 2)
+  gathers = UnitGathers(sharded=None, units=(_Block,))
+  block = outer[0]
+  want = [block.a.weight, block.a.bias] + list(block.inner.parameters())
+  assert [id(p) for p in gathers._unit_members(block)] == [id(p) for p in want]
+  # The outer module's unit: its own parameters and those of modules no rule names.
+  assert [id(p) for p in gathers._unit_members(outer)] == [id(p) for p in outer.extra.parameters()]
+  assert unit_rule(None)(block) is False
+  assert unit_rule(lambda m: m is block)(block) is True
+  assert unit_rule((_Block,))(outer) is False
+
+
 def test_a_strategy_refuses_what_is_not_sharding_options():
   with pytest.raises(TypeError, match=r"MirroredStrategy\(experimental_sharding=...\).*got str"):
     check("parameters", "MirroredStrategy")

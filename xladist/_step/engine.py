@@ -36,7 +36,7 @@ import traceback
 import torch
 from torch.optim import optimizer as torch_optimizer
 
-from xladist import collectives, context, sharded_state
+from xladist import collectives, context, sharded_state, sharded_units
 from xladist import runtime as _runtime
 from xladist._nest import flatten, tree_map, unflatten
 from xladist._step import hyper, python_effects, rng_state, seeds
@@ -118,15 +118,17 @@ class StepEngine:
       torch_optimizer.register_optimizer_step_pre_hook(self._before_optimizer_step),
       torch_optimizer.register_optimizer_step_post_hook(self._after_optimizer_step),
     )
+    self._saved_hooks = contextlib.nullcontext()
+    units = None
     if store.sharding is not None and store.sharding.shards("parameters"):
-      # Parameters left as rows by optimizer.step() are gathered again when a
-      # module that holds them runs later in the same step.
-      regather = step.sharded.regather
+      # Each unit's parameters are gathered when it runs and again in its
+      # backward (sharded_units.py).
+      units = sharded_units.UnitGathers(step.sharded, store.sharding.units)
       hooks += (
-        torch.nn.modules.module.register_module_forward_pre_hook(
-          lambda module, args: regather(module)
-        ),
+        torch.nn.modules.module.register_module_forward_pre_hook(units.pre),
+        torch.nn.modules.module.register_module_forward_hook(units.post),
       )
+      self._saved_hooks = units.saved_tensors()
     self.region = region
     swapped = self._swapped = hyper.Swapped(
       active=attempt.wants_hypers(), carried=self._replayer.carried()
@@ -155,6 +157,9 @@ class StepEngine:
     finally:
       for hook in hooks:
         hook.remove()
+      if units is not None:
+        units.close()  # the step's tensors it holds (a later sync would compute them)
+        self._saved_hooks = contextlib.nullcontext()
       keep = {id(t) for t, *_ in step.variables}
       seeds.forget_draws(region)
       region.close()
@@ -204,6 +209,7 @@ class StepEngine:
         torch.compiler.set_stance("force_eager"),
         self._swapped.recording(),
         self._effects if self._effects is not None else contextlib.nullcontext(),
+        self._saved_hooks,
       ):
         out = fn(*local_args, **local_kwargs)
     finally:

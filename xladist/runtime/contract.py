@@ -39,7 +39,7 @@ from typing import Any, Protocol, runtime_checkable
 @runtime_checkable
 class Runtime(Protocol):
   """The core: devices, placement, the step's region, host transfers and
-  boundaries, counters and random state (39 operations and 2 attributes).
+  boundaries, counters and random state (40 operations and 2 attributes).
 
   Attributes:
     DEVICE_KIND: the torch device type of the runtime's tensors ("xla", "jax").
@@ -146,6 +146,13 @@ class Runtime(Protocol):
     stacked (n, ...) on every replica (an all-gather of the step's program;
     `replica_id`: the step's traced replica index, for a runtime that composes
     it of other collectives)."""
+
+  def optimization_barrier_(self, tensors: list) -> None:
+    """Inside a step: each of `tensors` (local values) now holds its output of
+    one XLA optimization barrier over all of them: the same values, but XLA may
+    not move a computation that uses one of them to before the others exist, nor
+    merge it with one that uses the tensors from before the barrier. In place,
+    and unseen by autograd (the gradient passes through unchanged)."""
 
   def no_execution(self):
     """A context manager: reading a traced value on the host inside it raises

@@ -102,6 +102,7 @@ from xladist.runtime.jax_step import (  # noqa: F401  (interface)
   creation_index,
   in_traced_step,
   no_execution,
+  optimization_barrier_,
   spmd_all_gather,
   spmd_all_reduce,
   spmd_reduce_scatter,

@@ -186,6 +186,15 @@ def spmd_all_gather(tensor, replica_id, groups):
   return _wrap(jax.lax.all_gather(tensor._elem, REPLICA_AXIS, axis=0, tiled=False))
 
 
+def optimization_barrier_(tensors):
+  """`lax.optimization_barrier` over the tensors' arrays, each tensor given its output."""
+  jax = _rt().jax
+  tensors = list(tensors)
+  outs = jax.lax.optimization_barrier(tuple(t._elem for t in tensors))
+  for t, out in zip(tensors, outs):
+    t._elem = out
+
+
 def _scaled(out, scale):
   return out if scale == 1.0 else out * np.asarray(scale, dtype=out.dtype)
 

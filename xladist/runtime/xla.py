@@ -295,6 +295,11 @@ def spmd_all_gather(tensor, replica_id, groups):
   return out.view(stacked.shape)
 
 
+def optimization_barrier_(tensors):
+  """torch_xla's in-place `_xla_optimization_barrier_` (its FSDP's own tool)."""
+  _xlac()._xla_optimization_barrier_(list(tensors))
+
+
 @contextlib.contextmanager
 def no_execution():
   """Turns an attempted host read of a traced tensor into HostReadInStep."""
