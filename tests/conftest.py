@@ -7,6 +7,11 @@ os.environ.setdefault("CPU_NUM_DEVICES", "4")
 # Compilation counts are part of what the tests check: no persistent cache here
 # (tests/test_runtime_defaults.py turns it on where it is the subject).
 os.environ.setdefault("XLADIST_COMPILE_CACHE", "off")
+# torch_xla keeps every compiled program in an in-memory cache, and each XLA:CPU
+# executable holds hundreds to thousands of memory maps (one per JIT'd kernel): the
+# suite's ~1,400 tests in one process passed Linux's 65,530 maps (vm.max_map_count)
+# and XLA's next compile died with a segfault. A test uses far fewer than 64 programs.
+os.environ.setdefault("XLA_COMPILATION_CACHE_SIZE", "64")
 # XLA:CPU compiles the tests' programs cheaply (no costly LLVM passes; its older
 # fusion emitters where it has them): tests/_xla_flags.py. Subprocesses inherit it.
 from _xla_flags import with_cheap_codegen  # noqa: E402

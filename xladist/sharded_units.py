@@ -128,6 +128,8 @@ class UnitGathers:
     self.last = None  # a tensor output of the last module that ran
     self.previous = None  # the last unit call
     self.prefetch = prefetch()
+    # What the step's graphs may still hold when it ends (`close` empties them).
+    self._calls, self._saved, self._hooks = [], [], []
 
   # -- forward ---------------------------------------------------------------------------
   def pre(self, module, args):
@@ -139,6 +141,7 @@ class UnitGathers:
       if anchor is None:
         anchor = self.last
       call = _Call(params, rows, anchor, self.previous)
+      self._calls.append(call)
       # Tied to the previous unit's input (prefetch: one unit ahead), or to this
       # unit's: XLA:CPU's scheduler otherwise computed every unit's gather when
       # the step began.
@@ -165,7 +168,7 @@ class UnitGathers:
     hooked = False
     for t in leaves:
       if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
-        t.register_hook(self._on_output_grad(call))
+        self._hooks.append(t.register_hook(self._on_output_grad(call)))
         hooked = True
     call.hooked = hooked
     if not hooked:
@@ -235,11 +238,19 @@ class UnitGathers:
       if c is not None and id(param) in c.ids:
         call = c
         break
-    return _Saved(call, param, sharded.rows[id(param)], view)
+    saved = _Saved(call, param, sharded.rows[id(param)], view)
+    self._saved.append(saved)
+    return saved
 
   def unpack(self, saved):
     if not isinstance(saved, _Saved):
       return saved
+    if saved.row is None:
+      raise RuntimeError(
+        "backward() of a graph made inside strategy.run, after the step ended, under "
+        "ShardingOptions(shard='parameters'): the sharded parameters it used are rows "
+        "again. Call backward() inside the step that ran the forward."
+      )
     call, param = saved.call, saved.param
     whole = None
     same = call is not None and call.row_of(param) is saved.row
@@ -256,6 +267,15 @@ class UnitGathers:
     """Drops every tensor of the step it holds (the step has ended)."""
     self.active, self._members = [], {}
     self.last = self.previous = None
+    # Graphs and outputs the step's code kept must not keep the step's values: a
+    # later sync would compute them from buffers the next step has given up.
+    for hook in self._hooks:
+      hook.remove()
+    for call in self._calls:
+      call.params, call.rows, call.again, call.anchor, call.previous = [], [], {}, None, None
+    for saved in self._saved:
+      saved.call = saved.param = saved.row = saved.view = None
+    self._calls, self._saved, self._hooks = [], [], []
 
   def saved_tensors(self):
     return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)

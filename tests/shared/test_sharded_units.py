@@ -177,3 +177,36 @@ def test_each_unit_is_gathered_when_it_runs_and_again_in_backward(units, gathers
     # A block is one unit: one gather of its six tensors (norm, fc1, fc2).
     assert forward[1:] == [1, 2, 6, 6, 6, 2, 1], forward
     assert sorted(n for n in backward if n > 1) == [2, 2, 6, 6, 6], backward
+
+
+def _penalty_loop(sharding, steps=2):
+  """A gradient penalty (WGAN-GP's form): the squared norm of the loss's gradient
+  with respect to a hidden activation, `create_graph=True`, added to the loss; its
+  gradient reaches the weights through the first backward's use of them."""
+  strategy = xd.MirroredStrategy(experimental_sharding=sharding)
+  with strategy.scope():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+  def step(tokens, targets):
+    h = model.shared(model.emb(tokens).mean(1))
+    for block in model.blocks:
+      h = block(h)
+    loss = F.cross_entropy(model.head(torch.tanh(model.shared(h))), targets)
+    (g,) = torch.autograd.grad(loss, [h], create_graph=True)
+    (loss + 10.0 * g.square().sum()).backward()
+    opt.step()
+    opt.zero_grad()
+
+  for x, y in _data(steps):
+    strategy.run(step, args=(_split(strategy, x), _split(strategy, y)))
+  return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+def test_a_gradient_penalty_differentiates_through_the_weights():
+  """backward(create_graph=True) through weights gathered again: autograd gives
+  the unpacked whole value the parameter's own place in the graph (a saved
+  tensor hook's result is attached to the saved tensor's gradient accumulator),
+  so the penalty's gradient with respect to the weights is as without sharding."""
+  _assert_equal_by_scale(_penalty_loop(_parameters((Block,))), _penalty_loop(None))
