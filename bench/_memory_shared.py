@@ -64,3 +64,17 @@ def timed(steps, one_step):
     one_step()
     times.append(time.perf_counter() - start)
   return times
+
+
+def timed_jax_steps(steps, jitted, params, state, x):
+  """`steps` calls of a donating `jitted(params, state, x) -> (params, state, loss)`,
+  each until its results are ready: (the wall times, the last loss)."""
+  import jax
+
+  carry = [params, state, None]
+
+  def one_step():
+    carry[:] = jitted(carry[0], carry[1], x)
+    jax.block_until_ready(carry)
+
+  return timed(steps, one_step), float(carry[2])

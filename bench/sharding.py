@@ -69,7 +69,16 @@ import subprocess
 import sys
 import time
 
-from _memory_shared import WIDTH, add_interpreter_arguments, batch, mlp, peak, rss, timed
+from _memory_shared import (
+  WIDTH,
+  add_interpreter_arguments,
+  batch,
+  mlp,
+  peak,
+  rss,
+  timed,
+  timed_jax_steps,
+)
 
 LR, WD, T_MAX, MAX_NORM = 1e-3, 1e-2, 1000, 1.0
 MB = 1024 * 1024
@@ -236,14 +245,8 @@ def _hand_jax(layers, rows, steps):
     donate_argnums=(0, 1),
   )
   x = jax.device_put(batch(rows).numpy(), fsdp((1, 1)))
-  carry = [params, state, None]
-
-  def one_step():
-    carry[:] = jitted(carry[0], carry[1], x)
-    jax.block_until_ready(carry)
-
-  times = timed(steps, one_step)
-  return base, float(carry[2]), times, None, ""
+  times, loss = timed_jax_steps(steps, jitted, params, state, x)
+  return base, loss, times, None, ""
 
 
 def _child(variant, layers, rows, steps):

@@ -49,7 +49,16 @@ import sys
 import tempfile
 import time
 
-from _memory_shared import WIDTH, add_interpreter_arguments, batch, mlp, peak, rss, timed
+from _memory_shared import (
+  WIDTH,
+  add_interpreter_arguments,
+  batch,
+  mlp,
+  peak,
+  rss,
+  timed,
+  timed_jax_steps,
+)
 
 MB = 1024 * 1024
 SGD_LR, ADAMW_LR = 1e-2, 1e-3
@@ -244,14 +253,8 @@ def _jax_scan(layers, rows, steps, optimizer, remat):
   )
   x = jax.device_put(batch(rows).numpy(), xs)
   program = _bytes_of(jitted.lower(params, state, x).compile().memory_analysis())
-  carry = [params, state, None]
-
-  def one_step():
-    carry[:] = jitted(carry[0], carry[1], x)
-    jax.block_until_ready(carry)
-
-  times = timed(steps, one_step)
-  return base, float(carry[2]), times, program, ""
+  times, loss = timed_jax_steps(steps, jitted, params, state, x)
+  return base, loss, times, program, ""
 
 
 def _torch_xla_program_bytes(dump):

@@ -87,6 +87,10 @@ class Layout:
       return local.squeeze(0)
     return self.own_rows(local, replica_id)
 
+  def is_row(self, t):
+    """True for one replica's row (k,) of the tensor (not the whole of a (k,) tensor)."""
+    return tuple(t.shape) == (self.k,) and self.shape != t.shape
+
   def is_rows(self, t):
     return tuple(t.shape) == (self.n, self.k) and (self.shape != t.shape or self.n == 1)
 
@@ -243,7 +247,7 @@ class ShardedStep:
   def gather_entered(self):
     """Every parameter entered as rows gets its full value (gathers per pack)."""
     todo, self._gathered = self._gathered, []
-    self._gather(todo)
+    self.gather(todo)
 
   def gatherable(self, p):
     """True for a parameter kept as rows whose whole value a unit may gather:
@@ -252,18 +256,15 @@ class ShardedStep:
     layout = layout_of(p)
     if id(p) not in self.rows or layout is None or not layout.params:
       return False
-    return self.is_gathered(p) or (tuple(p.shape) == (layout.k,) and layout.shape != p.shape)
+    return self.is_gathered(p) or layout.is_row(p)
 
   def is_gathered(self, p):
     """True while `p` holds a whole value gathered from its rows by this step."""
     return _runtime.value_id(p) == self.full_ids.get(id(p))
 
   def gather(self, params, rows=None):
-    """These parameters get the whole value of their current rows (`sharded_units`;
-    `rows`: copies of them to gather instead)."""
-    self._gather(params, rows)
-
-  def _gather(self, params, rows=None):
+    """These parameters get the whole value of their current rows (`rows`:
+    copies of them to gather instead, as `sharded_units` ties them)."""
     if not params:
       return
     if rows is None:
@@ -344,7 +345,7 @@ class ShardedStep:
       scattered = self._grad_rows.pop(id(p), None)
       if layout.params and _runtime.value_id(p) == self.full_ids.get(id(p)):
         row = self.rows[id(p)]
-      elif tuple(p.shape) == (layout.k,) and layout.shape != p.shape:
+      elif layout.is_row(p):
         row = p.data
       else:
         row = layout.own_rows(p.data, rid)
@@ -365,7 +366,8 @@ class ShardedStep:
 
   def from_shards(self, params):
     """After `optimizer.step()`: "parameters" keeps the new rows (gathered again
-    by the next forward, `regather`); the other levels gather the full values."""
+    by the next unit that holds them, sharded_units.py); the other levels gather
+    the full values."""
     mirrored, grad_of = [], {}
     for p in params:
       layout = layout_of(p)
@@ -378,7 +380,7 @@ class ShardedStep:
         mirrored.append(p)
     for p in mirrored:
       p.grad = None
-    self._gather(mirrored)
+    self.gather(mirrored)
     for p in mirrored:
       del self.rows[id(p)]
       p.grad = grad_of[id(p)]

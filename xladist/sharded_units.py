@@ -14,12 +14,14 @@ the model uses it, and nowhere else:
 * **no whole copy kept for backward.** Autograd saves the weights a
   backward formula needs (a Linear saves `weight.t()`); a saved tensor hook
   (`pack`) keeps instead the parameter's rows and how the saved tensor was made
-  from the whole value (`_view_func`), and backward gathers the rows again
-  (`unpack`). The gather in backward is tied by an XLA optimization barrier to
-  the gradient that reaches the unit's output (`_on_output_grad`): XLA can then
-  neither merge it with the forward's gather (CSE) nor compute it before
-  backward reaches the unit, so the forward's whole copy dies when the unit's
-  forward ends, and the backward's when the unit's backward ends. A saved
+  from the whole value (`_view_func_unsafe`), and backward gathers the rows
+  again (`unpack`). The gather in backward is tied to the gradient that reaches
+  the unit's output (`_on_output_grad`, `_tied`: an exact zero made from it,
+  and an optimization barrier): XLA can then neither merge it with the
+  forward's gather (CSE) nor compute it before backward reaches the unit, so
+  the forward's whole copy dies when the unit's forward ends, and the
+  backward's when the unit's backward ends. Forward gathers are tied the same
+  way to the previous unit's input (one unit ahead, `prefetch`). A saved
   parameter whose unit's output got no gradient hook (an output in a container
   torch's pytree does not know, a parameter used outside any module) is gathered
   again with a barrier over its rows alone.
@@ -112,13 +114,14 @@ def unit_rule(units):
   """A function module -> True when `units` (ShardingOptions.units) names it as a unit."""
   if units is None:
     return lambda module: False
-  if callable(units) and not isinstance(units, tuple):
-    return lambda module: bool(units(module))
-  return lambda module: isinstance(module, units)
+  if isinstance(units, tuple):  # classes (ShardingOptions made it a tuple)
+    return lambda module: isinstance(module, units)
+  return lambda module: bool(units(module))
 
 
 class UnitGathers:
-  """The units of one traced step (`ShardedStep.units`)."""
+  """The units of one traced step: its forward hooks (`pre`, `post`) and saved
+  tensor hooks (`saved_tensors`), installed by the step engine while it traces."""
 
   def __init__(self, sharded, units):
     self.sharded = sharded
@@ -215,13 +218,16 @@ class UnitGathers:
         todo.append(call.previous)
       for c in todo:
         if c.again is None:
-          tied = _tied(c.rows, grad)
-          layouts = [sharded_state.layout_of(p) for p in c.params]
-          whole = sharded_state.gather(tied, layouts, self.sharded.region)
+          whole = self._whole(c.params, _tied(c.rows, grad))
           c.again = {id(p): w for p, w in zip(c.params, whole)}
       return grad
 
     return hook
+
+  def _whole(self, params, rows):
+    """The whole values of these parameters from `rows` (tied copies of theirs)."""
+    layouts = [sharded_state.layout_of(p) for p in params]
+    return sharded_state.gather(rows, layouts, self.sharded.region)
 
   def pack(self, t):
     sharded = self.sharded
@@ -257,8 +263,7 @@ class UnitGathers:
     if same and call.again:
       whole = call.again.get(id(param))
     if whole is None:
-      tied = _tied([saved.row], None)
-      whole = sharded_state.gather(tied, [sharded_state.layout_of(param)], self.sharded.region)[0]
+      whole = self._whole([param], _tied([saved.row], None))[0]
       if same and call.again is not None:
         call.again[id(param)] = whole
     return whole if saved.view is None else saved.view(whole)

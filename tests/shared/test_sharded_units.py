@@ -18,13 +18,14 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from _sharding import B, N, assert_equal_by_scale, split, state_tensors
 from torch.utils.checkpoint import checkpoint
 
 import xladist as xd
 from xladist import sharded_state
 from xladist.experimental import ShardingOptions
 
-N, B, T, V, D = 4, 4, 3, 13, 8
+T, V, D = 3, 13, 8  # B rows per replica, N replicas: tests/_sharding.py's
 
 
 class Block(nn.Module):
@@ -72,12 +73,6 @@ def _data(steps):
   ]
 
 
-def _split(strategy, t):
-  return strategy.experimental_distribute_values_from_function(
-    lambda ctx: t[ctx.replica_id_in_sync_group * B : (ctx.replica_id_in_sync_group + 1) * B]
-  )
-
-
 def _loop(sharding, steps=8, ckpt=None):
   """AdamW + cosine + clip_grad_norm_ and an L2 term on one weight read outside
   any module; the final tensors (whole, on the host), the losses and the counts."""
@@ -100,21 +95,11 @@ def _loop(sharding, steps=8, ckpt=None):
 
   losses = []
   for x, y in _data(steps):
-    out = strategy.run(step, args=(_split(strategy, x), _split(strategy, y)))
+    out = strategy.run(step, args=(split(strategy, x), split(strategy, y)))
     sched.step()
     losses.append(strategy.reduce("mean", out, axis=None).cpu())
-  state = {f"model.{k}": v.detach().cpu() for k, v in model.state_dict().items()}
-  for i, s in opt.state_dict()["state"].items():
-    state.update({f"opt.{i}.{k}": v.cpu() for k, v in s.items() if torch.is_tensor(v)})
+  state = state_tensors(model, opt)
   return torch.stack(losses), state, dict(strategy.extended.experimental_replay_counts)
-
-
-def _assert_equal_by_scale(got, want, tol=1e-5):
-  assert sorted(got) == sorted(want)
-  for k in want:
-    scale = max(want[k].double().abs().max().item(), 1e-6)
-    diff = (got[k].double() - want[k].double()).abs().max().item()
-    assert diff <= tol * scale, f"{k}: {diff:.3g} > {tol} x {scale:.3g}"
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +124,7 @@ def test_units_train_as_mirrored(units, ckpt, mirrored):
   want_losses, want, _ = mirrored
   losses, got, counts = _loop(_parameters(units), ckpt=ckpt)
   torch.testing.assert_close(losses, want_losses, rtol=1e-5, atol=1e-6)
-  _assert_equal_by_scale(got, want)
+  assert_equal_by_scale(got, want)
   assert counts["traced"] + counts["replayed"] == 8
   assert counts["traced"] <= 4, counts  # the unsharded loop's 3, or one more (a new key)
 
@@ -200,7 +185,7 @@ def _penalty_loop(sharding, steps=2):
     opt.zero_grad()
 
   for x, y in _data(steps):
-    strategy.run(step, args=(_split(strategy, x), _split(strategy, y)))
+    strategy.run(step, args=(split(strategy, x), split(strategy, y)))
   return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
 
@@ -209,4 +194,4 @@ def test_a_gradient_penalty_differentiates_through_the_weights():
   the unpacked whole value the parameter's own place in the graph (a saved
   tensor hook's result is attached to the saved tensor's gradient accumulator),
   so the penalty's gradient with respect to the weights is as without sharding."""
-  _assert_equal_by_scale(_penalty_loop(_parameters((Block,))), _penalty_loop(None))
+  assert_equal_by_scale(_penalty_loop(_parameters((Block,))), _penalty_loop(None))

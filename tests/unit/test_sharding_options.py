@@ -130,3 +130,4 @@ def test_rows_pad_and_come_back(shape, n):
   assert torch.equal(layout.local_row(rows[1:2], torch.tensor(1)), rows[1])
   assert torch.equal(layout.local_row(full, torch.tensor(n - 1)), rows[n - 1])
   assert layout.is_rows(rows) is (tuple(shape) != (n, k))
+  assert layout.is_row(rows[n - 1]) is (tuple(shape) != (k,))  # a row, unless it is the whole
