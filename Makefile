@@ -28,7 +28,7 @@ WHERE_XLADIST := -c 'import sys; del sys.path[0]; import os, importlib.util; \
 	spec = importlib.util.find_spec("xladist"); \
 	print(os.path.dirname(os.path.dirname(os.path.realpath(spec.origin))) if spec else "nowhere")'
 
-.PHONY: own-code which-xladist test-ecosystem test-jax-matrix test-xla-ecosystem test-jax-ecosystem bench-scaling bench-memory bench-sharding bench-sharding-depth venv venv-jax venv-jax-new test-jax test-jax-old test-jax-new test-xla check demo charlm demo-ps bench-ps test lint bench bench-input bench-collectives bench-logical \
+.PHONY: own-code which-xladist test-ecosystem test-jax-matrix test-xla-ecosystem test-jax-ecosystem bench-scaling bench-phases bench-memory bench-sharding bench-sharding-depth venv venv-jax venv-jax-new test-jax test-jax-old test-jax-new test-xla check demo charlm demo-ps bench-ps test lint bench bench-input bench-collectives bench-logical \
 	gpu-wheels gpu-check \
 	bench-first-step bench-checkpoint bench-replay-ab plots clean-venv
 
@@ -201,15 +201,21 @@ BASE ?= HEAD~1
 bench-replay-ab: venv
 	$(CPU_ENV) $(RUN) bench/replay_ab.py --base $(BASE)
 
-# The replayed AdamW + cosine step at 8, 128 and 512 parameter tensors; BACKEND=jax
-# runs it on the jax runtime beside hand-written jax.jit + optax.
+# The replayed AdamW + cosine step at 4, 32, 128 and 512 parameter tensors; BACKEND=jax
+# runs it on the jax runtime beside hand-written jax.jit + optax (alternating rounds).
+# bench-phases: a replayed step's host time by phase (signature, key, guards, ...).
 ifeq ($(BACKEND),jax)
 bench-scaling: venv-jax
 	XLADIST_BACKEND=jax JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=4 \
 	  $(JAX_PY) bench/replay_scaling.py
+bench-phases: venv-jax
+	XLADIST_BACKEND=jax JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=4 \
+	  $(JAX_PY) bench/replay_phases.py
 else
 bench-scaling: venv
 	$(CPU_ENV) $(RUN) bench/replay_scaling.py
+bench-phases: venv
+	$(CPU_ENV) $(RUN) bench/replay_phases.py
 endif
 
 # Peak memory (RSS over imports) of 20 AdamW steps at 8.4M and 25.2M parameters, each

@@ -165,7 +165,8 @@ class CompileWatch:
       state.update((k, v) for k, v in before[1].items() if k not in sig)
     self._last = (self.steps, sig, before, False, state)
     # [step number, signature and state, whether a step of this fn compiled]
-    self._by_fn[key] = [self.steps, {**sig, **state}, before is not None and before[2]]
+    merged = {**sig, **state} if state else sig  # (a replayed step's signature: shared, read only)
+    self._by_fn[key] = [self.steps, merged, before is not None and before[2]]
 
   def signature_of(self, step):
     """The signature `before_step` took for this watch's step number `step`, or

@@ -14,7 +14,7 @@ parameter's step counter.
 import numpy as np
 import torch
 
-from xladist._step.hyper import _number, describe, evaluate, places
+from xladist._step.hyper import _number, compiled, describe, places
 
 
 class Input:
@@ -22,13 +22,14 @@ class Input:
   some): its candidate expressions (equal values at the capture), dtype, the
   value it had, and whether two agreeing captures saw it follow them."""
 
-  __slots__ = ("exprs", "dtype", "value", "proven", "placed", "origin")
+  __slots__ = ("exprs", "dtype", "value", "proven", "placed", "origin", "_compiled")
 
   def __init__(self, exprs, dtype, value):
     self.exprs, self.dtype, self.value = exprs, dtype, value
     self.proven = False
     self.placed = None  # (value, the runtime's scalar holding it)
     self.origin = None  # the capture's constant entry (handle, scalar) it was matched from
+    self._compiled = (None, None)  # (exprs, hyper.compiled(exprs)): made again if exprs change
 
   def names(self):
     """The hyperparameters the input is made of, as "'lr', 'betas'[0]"."""
@@ -42,11 +43,45 @@ class Input:
     key = (id(self.exprs), self.dtype)
     if memo is not None and key in memo:
       return memo[key]
-    values = {_cast(evaluate(e, groups), self.dtype) for e in self.exprs}
+    exprs, fn = self._compiled
+    if exprs is not self.exprs:
+      fn = compiled(self.exprs)
+      self._compiled = (self.exprs, fn)
+    dtype = self.dtype
+    values = {_cast(v, dtype) for v in fn(groups)}
     value = values.pop() if len(values) == 1 else None
     if memo is not None:
       memo[key] = value
     return value
+
+
+def evaluator(inputs):
+  """`fn(groups) -> [value or None]`: each input's `current` value, all of them in one
+  call (one generated function evaluates every distinct candidate once: a replay
+  evaluates its hyperparameters at every step, issue 61)."""
+  spans, where, exprs = [], {}, []
+  for h in inputs:
+    key = (id(h.exprs), h.dtype)
+    if key not in where:
+      where[key] = len(spans)
+      spans.append((len(exprs), len(exprs) + len(h.exprs), h.dtype))
+      exprs.extend(h.exprs)
+  order = [where[(id(h.exprs), h.dtype)] for h in inputs]
+  raw = compiled(exprs)
+
+  def values(groups):
+    got = raw(groups)
+    out = []
+    for a, b, dtype in spans:
+      value = _cast(got[a], dtype)
+      for i in range(a + 1, b):
+        if _cast(got[i], dtype) != value:
+          value = None  # candidates equal at the capture differ now
+          break
+      out.append(value)
+    return [out[i] for i in order]
+
+  return values
 
 
 _NUMPY = {torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16}

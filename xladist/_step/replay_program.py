@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import enum
 import logging
+import operator
 import weakref
 
 import numpy as np
@@ -93,6 +94,9 @@ class CapturedProgram:
   guards: tuple = ()  # (expression, value): the host decisions of the trace (hyper.py)
   donate: tuple = ()  # positions of the inputs a run gives up (`donated`)
   host_reads: bool = False  # whether its guards or hyperparameters read host tensors
+  # what = (the tuple it was made from, hyper.compiled of its expressions), per
+  # "counters" / "guards": made again when the capture's tuple is replaced
+  evaluators: dict = dataclasses.field(default_factory=dict)
   restamp: list = dataclasses.field(init=False)  # the sync-on-read variables it writes
 
   def __post_init__(self):
@@ -221,17 +225,35 @@ def advance_host_scalars(prog):
   (hyper.py): every new value first, then every write."""
   if not prog.counters:
     return
+  evaluate = _evaluator(prog, "counters", [expr for _, _, expr in prog.counters])
   with _runtime.host_work():
-    new = [hyper.evaluate(expr, prog.groups) for _, _, expr in prog.counters]
+    new = evaluate(prog.groups)
     for (state, key, _), value in zip(prog.counters, new):
       state[key].fill_(value)
 
 
+def _evaluator(prog, what, exprs):
+  """hyper.compiled(exprs) for the capture's `what` (its tuple, "counters" or
+  "guards"), made once per tuple."""
+  made = prog.evaluators.get(what)
+  source = getattr(prog, what)
+  if made is None or made[0] is not source:
+    made = prog.evaluators[what] = (source, hyper.compiled(exprs))
+  return made[1]
+
+
 def _guards_fail(prog):
   """A `Traced` when a host decision of the trace would come out otherwise now."""
-  if not prog.guards:
+  guards = prog.guards
+  if not guards:
     return None
-  why = hyper.guards_fail(prog.guards, prog.groups)
+  try:
+    now = _evaluator(prog, "guards", [expr for expr, _ in guards])(prog.groups)
+    if all(a == result for a, (_, result) in zip(now, guards)):
+      return None
+  except (ArithmeticError, ValueError):
+    pass  # which guard, in words: below
+  why = hyper.guards_fail(guards, prog.groups)
   return None if why is None else Traced(why, guard=True)
 
 
@@ -250,7 +272,9 @@ def arg_entry(leaf):
   if isinstance(leaf, PerReplica) and leaf._stacked is not None:
     leaf = leaf._stacked
   if isinstance(leaf, torch.Tensor):
-    return (tuple(leaf.shape), leaf.dtype, _runtime.sharding_spec(leaf))
+    # (attribute reads skip torch-function modes: on jax each one was lowered as an op)
+    with torch._C.DisableTorchFunction():
+      return (tuple(leaf.shape), leaf.dtype, _runtime.sharding_spec(leaf))
   if isinstance(leaf, PLAIN):
     return ("value", leaf)
   return ("object", type(leaf))
@@ -264,8 +288,9 @@ def program_inputs(prog, leaves, n, seed):
     failed = _guards_fail(prog)  # (host scalars only: the guards, the hyperparameters)
     if failed is not None:
       return failed
-    memo = {}
-    hypers = [_hyper_value(prog, h, memo) for h in prog.hypers]
+    hypers = prog.hypers
+    if hypers:
+      hypers = [_hyper_value(h, v) for h, v in zip(hypers, _hyper_values(prog))]
   slots = prog.slots
   inputs = []
   for source in prog.sources:
@@ -295,11 +320,26 @@ def program_inputs(prog, leaves, n, seed):
   return inputs
 
 
-def _hyper_value(prog, h, memo=None):
-  """A hyperparameter input's value now, or a `Traced` saying why the step is
-  traced instead (see hyper.py: a match not yet confirmed by two captures is
-  confirmed by a trace when its value first changes)."""
-  value = h.current(prog.groups, memo)
+def _hyper_values(prog):
+  """Every hyperparameter input's value now (`Input.current`, None where its
+  candidates differ), by one evaluator made for the inputs as they are."""
+  hypers = prog.hypers
+  made = prog.evaluators.get("hypers")
+  if (
+    made is None
+    or made[0] is not hypers
+    or len(made[1]) != len(hypers)
+    or not all(map(operator.is_, made[1], (h.exprs for h in hypers)))
+  ):  # (the candidates it was made for are held: their identities stay theirs)
+    made = (hypers, [h.exprs for h in hypers], hyper_inputs.evaluator(hypers))
+    prog.evaluators["hypers"] = made
+  return made[2](prog.groups)
+
+
+def _hyper_value(h, value):
+  """A hyperparameter input's value now (`value`), or a `Traced` saying why the
+  step is traced instead (see hyper.py: a match not yet confirmed by two captures
+  is confirmed by a trace when its value first changes)."""
   if value is None:
     return Traced("hyperparameters that were equal when the step was captured differ now")
   if value != h.value and not h.proven:

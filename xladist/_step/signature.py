@@ -151,8 +151,29 @@ class ByName(str):
 
 def replay_entries(sig):
   """The signature's entries a replay key keeps: all but the values `fn` reads by
-  name (`ByName`), which the key's guards from the trace cover."""
-  return tuple(item for item in sig.items() if type(item[0]) is not ByName)
+  name (`ByName`), which the key's guards from the trace cover. Kept for the last
+  dict asked about (`take` gives the same dict while nothing changed): a replayed
+  step's key is then hashed in constant time (`Entries`)."""
+  last = _LAST_ENTRIES[0]
+  if last is not None and last[0] is sig:
+    return last[1]
+  out = Entries(item for item in sig.items() if type(item[0]) is not ByName)
+  _LAST_ENTRIES[0] = (sig, out)
+  return out
+
+
+_LAST_ENTRIES = [None]  # (signature, its Entries)
+
+
+class Entries(tuple):
+  """A tuple of signature entries that hashes once (a replay key is looked up at every
+  step; hashing the entries of a large model walked all of them)."""
+
+  def __hash__(self):
+    h = self.__dict__.get("hash")
+    if h is None:
+      h = self.__dict__["hash"] = tuple.__hash__(self)
+    return h
 
 
 def _modes(name, module, out):
@@ -297,8 +318,9 @@ def _optimizer(label, opt, out, state):
       elif isinstance(value, _PLAIN):
         out[f"{label} group {g} {key!r}"] = ("value", value)
     out[f"{label} group {g} params"] = ("value", len(group["params"]))
-  for slots in opt.state.values():
-    state.extend(v for v in slots.values() if isinstance(v, torch.Tensor))
+  if state is not None:  # (only a signature with the step's state looks at them)
+    for slots in opt.state.values():
+      state.extend(v for v in slots.values() if isinstance(v, torch.Tensor))
 
 
 def _hyper_class(value):
@@ -312,8 +334,18 @@ def _hyper_class(value):
 
 def take(fn, args, kwargs, store):
   """The signature of `strategy.run(fn, args, kwargs)` for the variables `store`
-  tracks (replay, `replay.py`, keys its programs by it)."""
-  return _take(fn, args, kwargs, store, None)
+  tracks (replay, `replay.py`, keys its programs by it): the same dict as the last
+  one taken for `store` when it is equal to it (`replay_entries` keeps its entries
+  by the dict's identity). Read only."""
+  sig = _take(fn, args, kwargs, store, None)
+  last = _LAST_TAKEN.get(store)
+  if last is not None and last == sig:
+    return last
+  _LAST_TAKEN[store] = sig
+  return sig
+
+
+_LAST_TAKEN = weakref.WeakKeyDictionary()  # store -> the last signature `take` gave
 
 
 def take_with_state(fn, args, kwargs, store, synced=True):
@@ -348,6 +380,29 @@ def _take_entries(fn, args, kwargs, store, state, synced):
     for path, leaf in zip(paths, leaves):
       out[_path(prefix, path)] = _leaf_entry(leaf)
       _tensors(leaf, arg_tensors)
+  if state is None:
+    out.update(_module_entries(store))
+  else:
+    _module_walk(store, out, state, variables, components)
+  for opt in store.optimizers():
+    optimizers.setdefault(id(opt), opt)
+  listed = list(optimizers.values())
+  for n, i in sorted((_number(store, opt), i) for i, opt in enumerate(listed)):
+    _optimizer(f"optimizer {n}", listed[i], out, slots if state is not None else None)
+  if state is not None:
+    state["pending work in the arguments"] = _pending(arg_tensors)
+    for group, tensors in (
+      ("variables and their gradients", variables),
+      ("per-replica components of sync-on-read variables", components),
+      ("optimizer state", slots),
+    ):
+      state[f"pending work in the {group}"] = _pending(tensors) if synced else UNSYNCED
+  return out
+
+
+def _module_walk(store, out, state=None, variables=None, components=None):
+  """The entries of the store's modules (their parameters and buffers, their plain
+  attributes) into `out`; with `state`, what the tensors hold as well."""
   sharding = _runtime.sharding_spec
   modules, layout = _layout(store)
   for module, (label, tensors, attrs) in zip(modules, layout, strict=True):
@@ -384,20 +439,114 @@ def _take_entries(fn, args, kwargs, store, state, synced):
         if where is None:
           where = attrs[name] = f"{label}.{name}"
         out[where] = ("value", value)
-  for opt in store.optimizers():
-    optimizers.setdefault(id(opt), opt)
-  listed = list(optimizers.values())
-  for n, i in sorted((_number(store, opt), i) for i, opt in enumerate(listed)):
-    _optimizer(f"optimizer {n}", listed[i], out, slots)
-  if state is not None:
-    state["pending work in the arguments"] = _pending(arg_tensors)
-    for group, tensors in (
-      ("variables and their gradients", variables),
-      ("per-replica components of sync-on-read variables", components),
-      ("optimizer state", slots),
-    ):
-      state[f"pending work in the {group}"] = _pending(tensors) if synced else UNSYNCED
-  return out
+
+
+# -- the modules' entries, checked rather than taken again ---------------------------------
+#
+# A replayed step takes the signature at every `strategy.run`; its modules' part (a
+# tuple per parameter and buffer, their plain attributes) is all of its cost that grows
+# with the model. `_module_entries` keeps the last part taken for a store with a function
+# made for it (`_module_checker`: one straight line of reads and comparisons, the reads
+# `_module_walk` makes) that says whether walking again would give the same entries.
+
+
+class _Modules:
+  __slots__ = ("entries", "same")
+
+  def __init__(self, entries, same):
+    self.entries, self.same = entries, same
+
+
+_MODULE_ENTRIES = weakref.WeakKeyDictionary()  # store -> _Modules of its last walk
+
+
+def _module_entries(store):
+  """{label: entry} of the store's modules, as `_module_walk` gives them: the last
+  walk's when its checker finds every read the same, else walked again."""
+  cached = _MODULE_ENTRIES.get(store)
+  if cached is not None and cached.same is not None and cached.same():
+    return cached.entries
+  entries = {}
+  _module_walk(store, entries)
+  # A checker is made once two walks in a row agree: a part that changes at every
+  # step (an attribute counting steps) is walked, not compiled again each time.
+  stable = cached is not None and cached.entries == entries
+  _MODULE_ENTRIES[store] = _Modules(entries, _module_checker(store, entries) if stable else None)
+  return entries
+
+
+def _module_checker(store, entries):
+  """`same()`: whether `_module_walk(store)` would give `entries` now. It reads what
+  the walk reads: the module tree's structure count and the store's list of modules
+  (weakly: a checker keeps no module alive), each tensor's shape, dtype, sharding,
+  requires_grad and gradient, and each module's public attributes (the same names,
+  the plain ones equal, the others still not plain)."""
+  env = {
+    "ST": _STRUCTURE,
+    "store": store,
+    "M": _MISSING,
+    "S": _runtime.sharding_spec,
+    "PLAIN": _PLAIN,
+  }
+  modules, layout = _layout(store)
+  refs = store._modules
+  lines = [
+    "def same():",
+    f"  if ST[0] != {_STRUCTURE[0]} or store._modules is not R or len(R) != {len(refs)}:",
+    "    return False",
+  ]
+  env["R"] = refs
+  alive = [i for i, r in enumerate(refs) if r() is not None]
+  if [refs[i]() for i in alive] != modules:
+    return lambda: False  # (the store's list changed while it was read)
+  for n, (i, module, (_, tensors, _)) in enumerate(zip(alive, modules, layout)):
+    lines.append(f"  m = R[{i}]()")
+    lines.append("  if m is None:")
+    lines.append("    return False")
+    if tensors:
+      lines.append("  P, B = m._parameters, m._buffers")
+    for where, buffer, name in tensors:
+      entry = entries[where]
+      got = f"{'B' if buffer else 'P'}.get({name!r})"
+      if entry == ("value", None):
+        lines.append(f"  if {got} is not None:")
+        lines.append("    return False")
+        continue
+      _, shape, dtype, sharding, requires_grad, grad = entry
+      k = f"{n}_{len(env)}"
+      env[f"sh{k}"], env[f"dt{k}"], env[f"sp{k}"] = shape, dtype, sharding
+      lines.append(f"  t = {got}")
+      lines.append(
+        f"  if t is None or t.shape != sh{k} or t.dtype is not dt{k} or "
+        f"t.requires_grad is not {requires_grad} or S(t) != sp{k}:"
+      )
+      lines.append("    return False")
+      if grad is None:
+        lines.append("  if t.grad is not None:")
+      else:
+        env[f"gs{k}"], env[f"gd{k}"] = grad
+        lines.append("  g = t.grad")
+        lines.append(f"  if g is None or g.shape != gs{k} or g.dtype is not gd{k}:")
+      lines.append("    return False")
+    public = [
+      (name, value)
+      for name, value in module.__dict__.items()
+      if name[:1] != "_" and name != "training"
+    ]
+    lines.append("  d = m.__dict__")
+    lines.append(f"  if len(d) != {len(module.__dict__)}:")
+    lines.append("    return False")
+    for name, value in public:
+      if isinstance(value, _PLAIN):
+        k = f"v{n}_{len(env)}"
+        env[k] = ("value", value)
+        lines.append(f"  if ('value', d.get({name!r}, M)) != {k}:")
+      else:
+        lines.append(f"  if isinstance(d.get({name!r}, None), PLAIN) or {name!r} not in d:")
+      lines.append("    return False")
+  lines.append("  return True")
+  exec(compile("\n".join(lines) + "\n", "<xladist signature check>", "exec"), env)  # noqa: S102
+  return env["same"]
 
 
 def _show(entry, sharding_changed=False):

@@ -583,3 +583,32 @@ def test_carried_expressions_continue_from_the_step_before():
   with hyper.Swapped(carried=carried) as third:
     third.swap(opt)
   assert third.updates() == {}  # nothing changed after what was carried
+
+
+def test_compiled_gives_what_evaluate_gives_for_every_kind_of_node():
+  # issue 61: a replay evaluates its hyperparameters through hyper.compiled;
+  # each value must be evaluate's, bit for bit (ints stay ints, bools bools).
+  group, state = {"lr": 0.1, "betas": (0.9, 0.999)}, {"step": torch.tensor(3.0)}
+  groups = {1: group, 2: state}
+  lr, beta2, step = (LEAF, 1, "lr", None), (LEAF, 1, "betas", 1), (STATE, 2, "step")
+  shared = ("sub", (NUMBER, 1), ("pow", beta2, step))  # the same node in two expressions
+  exprs = [
+    lr,
+    (NUMBER, 7),
+    ("neg", lr),
+    ("truediv", ("mul", lr, ("math", "sqrt", shared)), ("sub", (NUMBER, 1.0), shared)),
+    ("lt", lr, (NUMBER, 0.05)),
+    ("int", ("mul", step, (NUMBER, 2.5))),
+    ("floor", ("add", step, (NUMBER, 0.5))),
+    ("round", ("truediv", (NUMBER, 1), step), 3),
+    ("math", "pow", lr, (NUMBER, 2)),
+  ]
+  got = hyper.compiled(exprs)(groups)
+  want = tuple(hyper.evaluate(e, groups) for e in exprs)
+  assert [(type(v), v) for v in got] == [(type(v), v) for v in want]
+  assert got[3] == 0.1 * math.sqrt(1 - 0.999**3.0) / (1.0 - (1 - 0.999**3.0))
+  group["lr"], state["step"] = 0.01, torch.tensor(4.0)  # read afresh at every call
+  assert hyper.compiled(exprs)(groups) == tuple(hyper.evaluate(e, groups) for e in exprs)
+  assert hyper.compiled([])(groups) == ()
+  with pytest.raises(ZeroDivisionError):  # as evaluate: the caller decides
+    hyper.compiled([("truediv", lr, (NUMBER, 0.0))])(groups)

@@ -206,3 +206,25 @@ def test_group_values_reads_plain_values_only():
     param_groups=[{"params": [], "lr": 0.1, "betas": (0.9, 0.99), "name": "x", "fused": None}]
   )
   assert hyper_inputs.group_values([opt]) == [(0, 0, "lr", 0.1), (0, 0, "betas", (0.9, 0.99))]
+
+
+def test_the_evaluator_gives_each_inputs_current_value():
+  """issue 61: a replay evaluates all its inputs by one generated function;
+  it must give what `Input.current` gives, None where candidates disagree."""
+  LR2 = (LEAF, 2, "lr", None)
+  shared = ((("mul", LR, (NUMBER, 2.0))), LR2)
+  inputs = [
+    hyper_inputs.Input(shared, torch.float32, f32(0.2)),
+    hyper_inputs.Input(shared, torch.float32, f32(0.2)),  # the same candidates
+    hyper_inputs.Input(shared, torch.float64, 0.2),  # another dtype
+    hyper_inputs.Input((LR,), torch.float32, f32(0.1)),
+  ]
+  values = hyper_inputs.evaluator(inputs)
+  for groups in (
+    {1: {"lr": 0.1}, 2: {"lr": 0.2}},
+    {1: {"lr": 0.15}, 2: {"lr": 0.3}},
+    {1: {"lr": 0.15}, 2: {"lr": 0.3 + 1e-12}},  # equal in float32 only
+    {1: {"lr": 0.15}, 2: {"lr": 0.4}},
+  ):
+    assert values(groups) == [h.current(groups) for h in inputs]
+  assert values({1: {"lr": 0.15}, 2: {"lr": 0.3 + 1e-12}})[1:3] == [f32(0.3), None]

@@ -319,3 +319,74 @@ def test_optimizer_entries():
   out = {}
   sig._optimizer("optimizer 0", adam, out, slots)
   assert out["optimizer 0 group 0 'betas'"] == ("hyper", (0.0, "a number"))
+
+
+# -- the modules' part, checked rather than walked again (issue 61) ------------------------
+
+
+class _Store:
+  """What the signature reads of a VariableStore: its list of weakly held modules."""
+
+  def __init__(self, *modules):
+    import weakref
+
+    self._modules = [weakref.ref(m) for m in modules]
+
+  def modules(self):
+    return (m for m in (r() for r in self._modules) if m is not None)
+
+  def optimizers(self):
+    return iter(())
+
+
+def _walked(store):
+  out = {}
+  sig._module_walk(store, out)
+  return out
+
+
+def test_the_modules_part_is_checked_and_follows_every_change(monkeypatch):
+  """After two equal walks the part comes from a generated check; each change a user
+  can make between steps makes the check fail and the part walked again."""
+  shardings = {}
+  monkeypatch.setattr(sig._runtime, "sharding_spec", lambda t: shardings.get(id(t), ""))
+  model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+  model[0].scale = 0.5  # a public plain attribute
+  store = _Store(*model.modules())
+  taken = lambda: sig._take(lambda: None, (), {}, store, None)  # noqa: E731
+  for _ in range(3):
+    assert sig._module_entries(store) == _walked(store)
+  cached = sig._MODULE_ENTRIES[store]
+  assert cached.same is not None and cached.same()
+  assert sig._module_entries(store) is cached.entries  # not walked
+
+  lin, bn = model[0], model[1]
+
+  def grad(t):
+    t.grad = torch.zeros_like(t)
+
+  changes = [
+    lambda: setattr(lin.weight, "data", torch.zeros(5, 4)),  # shape
+    lambda: setattr(lin.weight, "data", torch.zeros(5, 4, dtype=torch.float64)),  # dtype
+    lambda: lin.bias.requires_grad_(False),
+    lambda: grad(lin.bias),  # a gradient appears
+    lambda: setattr(lin.bias, "grad", None),
+    lambda: shardings.__setitem__(id(lin.weight), "{devices=[4,1]0,1,2,3}"),
+    lambda: setattr(lin, "scale", 0.25),  # a plain attribute's value
+    lambda: setattr(lin, "extra", 3),  # a new one
+    lambda: setattr(lin, "extra", torch.nn.ReLU()),  # plain -> not plain (a submodule)
+    lambda: setattr(bn, "momentum", None),
+    lambda: bn._buffers.__setitem__("running_mean", None),  # a buffer gone
+    lambda: lin.register_buffer("step", torch.zeros(())),  # a new buffer (structure)
+  ]
+  for change in changes:
+    before = dict(sig._module_entries(store))
+    sig._module_entries(store)  # (stable again: checked)
+    change()
+    now = sig._module_entries(store)
+    assert now == _walked(store) and now != before, change
+    assert taken() == taken()
+  del store._modules[1:]  # the store's list replaced by a shorter one
+  store._modules = list(store._modules)
+  assert sig._module_entries(store) == _walked(store)
+  assert list(sig._module_entries(store)) == list(_walked(store))  # in the walk's order
