@@ -40,7 +40,11 @@ PHASES = {
     ("_nest.py", "flatten"),
   ],
   "guards": [("replay_program.py", "_guards_fail"), ("replay.py", "check")],
-  "hyperparameters": [("replay_program.py", "_hyper_value"), ("jax_programs.py", "_fed")],
+  "hyperparameters": [
+    ("replay_program.py", "_hyper_values"),
+    ("replay_program.py", "_hyper_value"),
+    ("jax_programs.py", "_fed"),
+  ],
   "slots in": [
     ("replay_slots.py", "get"),
     ("replay_program.py", "arg_global"),

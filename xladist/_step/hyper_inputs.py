@@ -14,7 +14,8 @@ parameter's step counter.
 import numpy as np
 import torch
 
-from xladist._step.hyper import _number, compiled, describe, places
+from xladist._step.hyper import _number, describe, places
+from xladist._step.hyper_compile import compiled
 
 
 class Input:
@@ -29,7 +30,10 @@ class Input:
     self.proven = False
     self.placed = None  # (value, the runtime's scalar holding it)
     self.origin = None  # the capture's constant entry (handle, scalar) it was matched from
-    self._compiled = (None, None)  # (exprs, hyper.compiled(exprs)): made again if exprs change
+    self._compiled = (
+      None,
+      None,
+    )  # (exprs, hyper_compile.compiled(exprs)): made again if exprs change
 
   def names(self):
     """The hyperparameters the input is made of, as "'lr', 'betas'[0]"."""

@@ -24,6 +24,7 @@ from xladist import _settings
 from xladist import runtime as _runtime
 from xladist._nest import unflatten
 from xladist._step import hyper, hyper_inputs
+from xladist._step.hyper_compile import compiled
 from xladist._step.replay_slots import (
   COPIES,
   GRAD,
@@ -94,7 +95,7 @@ class CapturedProgram:
   guards: tuple = ()  # (expression, value): the host decisions of the trace (hyper.py)
   donate: tuple = ()  # positions of the inputs a run gives up (`donated`)
   host_reads: bool = False  # whether its guards or hyperparameters read host tensors
-  # what = (the tuple it was made from, hyper.compiled of its expressions), per
+  # what = (the tuple it was made from, hyper_compile.compiled of its expressions), per
   # "counters" / "guards": made again when the capture's tuple is replaced
   evaluators: dict = dataclasses.field(default_factory=dict)
   restamp: list = dataclasses.field(init=False)  # the sync-on-read variables it writes
@@ -233,12 +234,12 @@ def advance_host_scalars(prog):
 
 
 def _evaluator(prog, what, exprs):
-  """hyper.compiled(exprs) for the capture's `what` (its tuple, "counters" or
+  """hyper_compile.compiled(exprs) for the capture's `what` (its tuple, "counters" or
   "guards"), made once per tuple."""
   made = prog.evaluators.get(what)
   source = getattr(prog, what)
   if made is None or made[0] is not source:
-    made = prog.evaluators[what] = (source, hyper.compiled(exprs))
+    made = prog.evaluators[what] = (source, compiled(exprs))
   return made[1]
 
 

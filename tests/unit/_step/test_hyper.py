@@ -18,7 +18,7 @@ import types
 import pytest
 import torch
 
-from xladist._step import hyper
+from xladist._step import hyper, hyper_compile
 from xladist._step.hyper import LEAF, NUMBER, STATE, Hyper
 
 SQRT = math.sqrt  # the math module's own functions (a trace swaps them while it runs)
@@ -586,7 +586,7 @@ def test_carried_expressions_continue_from_the_step_before():
 
 
 def test_compiled_gives_what_evaluate_gives_for_every_kind_of_node():
-  # issue 61: a replay evaluates its hyperparameters through hyper.compiled;
+  # issue 61: a replay evaluates its hyperparameters through hyper_compile.compiled;
   # each value must be evaluate's, bit for bit (ints stay ints, bools bools).
   group, state = {"lr": 0.1, "betas": (0.9, 0.999)}, {"step": torch.tensor(3.0)}
   groups = {1: group, 2: state}
@@ -603,12 +603,12 @@ def test_compiled_gives_what_evaluate_gives_for_every_kind_of_node():
     ("round", ("truediv", (NUMBER, 1), step), 3),
     ("math", "pow", lr, (NUMBER, 2)),
   ]
-  got = hyper.compiled(exprs)(groups)
+  got = hyper_compile.compiled(exprs)(groups)
   want = tuple(hyper.evaluate(e, groups) for e in exprs)
   assert [(type(v), v) for v in got] == [(type(v), v) for v in want]
   assert got[3] == 0.1 * math.sqrt(1 - 0.999**3.0) / (1.0 - (1 - 0.999**3.0))
   group["lr"], state["step"] = 0.01, torch.tensor(4.0)  # read afresh at every call
-  assert hyper.compiled(exprs)(groups) == tuple(hyper.evaluate(e, groups) for e in exprs)
-  assert hyper.compiled([])(groups) == ()
+  assert hyper_compile.compiled(exprs)(groups) == tuple(hyper.evaluate(e, groups) for e in exprs)
+  assert hyper_compile.compiled([])(groups) == ()
   with pytest.raises(ZeroDivisionError):  # as evaluate: the caller decides
-    hyper.compiled([("truediv", lr, (NUMBER, 0.0))])(groups)
+    hyper_compile.compiled([("truediv", lr, (NUMBER, 0.0))])(groups)
