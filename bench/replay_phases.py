@@ -19,13 +19,11 @@ import os
 import pstats
 import time
 
-import torch
-import torch.nn as nn
+from _plot import add_plot_argument, save_plot
+from replay_scaling import training_loop
 
 import xladist as xd
 from xladist import runtime
-
-ROWS, WIDTH = 8, 64
 
 # phase -> (file name, function name) of the functions doing it
 PHASES = {
@@ -66,33 +64,6 @@ PHASES = {
 }
 
 
-def _loop(strategy, tensors):
-  with strategy.scope():
-    layers = []
-    for _ in range(tensors // 2):
-      layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
-    model = nn.Sequential(*layers)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, 1000)
-
-  def step(x):
-    loss = model(x).square().mean()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss
-
-  x = strategy.experimental_distribute_values_from_function(lambda ctx: torch.randn(ROWS, WIDTH))
-
-  def steps(k):
-    for _ in range(k):
-      out = strategy.run(step, args=(x,))
-      sched.step()
-    return out
-
-  return steps
-
-
 def _phases(stats, total):
   by_name = {}
   for (path, _, name), (_, _, _, cum, _) in stats.stats.items():
@@ -105,7 +76,7 @@ def _phases(stats, total):
 
 def measure(strategy, tensors, steps):
   """(wall µs per step, {phase: µs per step}) of `steps` replayed steps."""
-  run = _loop(strategy, tensors)
+  run = training_loop(strategy, tensors)
   run(60)
   runtime.wait()
   counts = strategy.extended.experimental_replay_counts
@@ -137,6 +108,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--tensors", type=int, nargs="+", default=[4, 32, 128])
   parser.add_argument("--steps", type=int, default=100)
+  add_plot_argument(parser)
   args = parser.parse_args()
   os.environ["XLADIST_REPLAY_VERIFY"] = "0"
   strategy = xd.MirroredStrategy()
@@ -154,6 +126,21 @@ def main():
   for name in names:
     cells = [f"{p[name]:.0f} ({p[name] / n:.1f})" for n, _, p in rows]
     print(f"| {name} | " + " | ".join(cells) + " |")
+  if args.plot:
+    small = {"guards", "wait", "seeds", "placeholders"}  # (a few µs: left out of the figure)
+    series = {
+      name: {f"{n} tensors": p[name] for n, _, p in rows} for name in names if name not in small
+    }
+    path = save_plot(
+      args.plot,
+      f"A replayed AdamW + cosine step's host time by phase ({backend})",
+      "parameter tensors",
+      "µs per step",
+      series,
+      kind="bar",
+      logy=True,
+    )
+    print(f"plot: {path}")
 
 
 if __name__ == "__main__":

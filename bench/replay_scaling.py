@@ -25,6 +25,7 @@ import time
 
 import torch
 import torch.nn as nn
+from _plot import add_plot_argument, save_plot
 
 import xladist as xd
 from xladist import runtime
@@ -32,8 +33,9 @@ from xladist import runtime
 ROWS, WIDTH, LR, T_MAX, WD, MOMENTUM = 8, 64, 1e-3, 1000, 1e-2, 0.9
 
 
-def _xladist_loop(strategy, tensors, optimizer):
-  """steps(k) -> wall seconds of k replayed steps and a wait."""
+def training_loop(strategy, tensors, optimizer="adamw"):
+  """run(k) -> the last result of k steps of the loop (`strategy.run`, then the
+  scheduler's step), on a model and optimizer made now under `strategy`."""
   with strategy.scope():
     layers = []
     for _ in range(tensors // 2):
@@ -54,16 +56,27 @@ def _xladist_loop(strategy, tensors, optimizer):
     return loss
 
   x = strategy.experimental_distribute_values_from_function(lambda ctx: torch.randn(ROWS, WIDTH))
+
+  def run(k):
+    for _ in range(k):
+      out = strategy.run(step, args=(x,))
+      if sched is not None:
+        sched.step()
+    return out
+
+  return run
+
+
+def _xladist_loop(strategy, tensors, optimizer):
+  """steps(k) -> wall seconds of k replayed steps and a wait."""
+  run = training_loop(strategy, tensors, optimizer)
   counts = strategy.extended
 
   def steps(k):
     for _ in range(3):
       before = counts.experimental_replay_counts["replayed"]
       start = time.perf_counter()
-      for _ in range(k):
-        strategy.run(step, args=(x,))
-        if sched is not None:
-          sched.step()
+      run(k)
       runtime.wait()
       took = time.perf_counter() - start
       if counts.experimental_replay_counts["replayed"] - before == k:
@@ -73,7 +86,7 @@ def _xladist_loop(strategy, tensors, optimizer):
     raise AssertionError(f"a traced step in 3 windows of {k} ({counts.experimental_replay_counts})")
 
   steps(40)
-  strategy.reduce("mean", strategy.run(step, args=(x,)), axis=None).item()
+  strategy.reduce("mean", run(1), axis=None).item()
   return steps
 
 
@@ -112,6 +125,7 @@ def main():
   parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
   parser.add_argument("--steps", type=int, default=10, help="steps per round")
   parser.add_argument("--rounds", type=int, default=15)
+  add_plot_argument(parser)
   args = parser.parse_args()
   strategy = xd.MirroredStrategy()
   assert strategy.num_replicas_in_sync == 4, "run with 4 devices (make bench-scaling)"
@@ -124,6 +138,7 @@ def main():
   jax_side = os.environ.get("XLADIST_BACKEND") == "jax"
   header = "| parameter tensors | xladist ms/step |"
   print(header + (" jax.jit + optax ms/step | xladist / jax.jit |" if jax_side else ""), flush=True)
+  curves = {}
   for n in args.tensors:
     ours = _xladist_loop(strategy, n, args.optimizer)
     ref = _jax_loop(n, args.optimizer) if jax_side else None
@@ -137,7 +152,25 @@ def main():
     if ref is not None:
       row += f" {statistics.median(refs):.2f} | {statistics.median(ratios):.2f} |"
     print(row, flush=True)
+    curves.setdefault("xladist", ([], []))
+    curves["xladist"][0].append(n)
+    curves["xladist"][1].append(statistics.median(times))
+    if refs:
+      curves.setdefault("jax.jit + optax", ([], []))
+      curves["jax.jit + optax"][0].append(n)
+      curves["jax.jit + optax"][1].append(statistics.median(refs))
     del ours, ref
+  if args.plot:
+    path = save_plot(
+      args.plot,
+      f"Replayed {what} step by parameter tensors ({backend})",
+      "parameter tensors",
+      "ms per step (median of rounds)",
+      curves,
+      logx=True,
+      logy=True,
+    )
+    print(f"plot: {path}")
 
 
 if __name__ == "__main__":
