@@ -6,15 +6,16 @@ step was traced (`match`): its candidates are the distinct expressions whose val
 in the scalar's dtype, equals it. Two captures of one key agree when each input keeps
 a candidate both saw (`compatible`); the later one keeps the common candidates and
 is proven when its value changed with them (`agree`). Inputs with the same
-candidates share one tuple of them, so a replay evaluates each set once
-(`Input.current`'s memo): every parameter's bias correction matches every
+candidates share one tuple of them, so a replay evaluates each set once (`evaluator`,
+one generated function for all of a program's inputs; `Input.current` is one input's
+value, its memo the same sharing): every parameter's bias correction matches every
 parameter's step counter.
 """
 
 import numpy as np
 import torch
 
-from xladist._step.hyper import _number, describe, places
+from xladist._step.hyper import _number, describe, evaluate, places
 from xladist._step.hyper_compile import compiled
 
 
@@ -23,17 +24,13 @@ class Input:
   some): its candidate expressions (equal values at the capture), dtype, the
   value it had, and whether two agreeing captures saw it follow them."""
 
-  __slots__ = ("exprs", "dtype", "value", "proven", "placed", "origin", "_compiled")
+  __slots__ = ("exprs", "dtype", "value", "proven", "placed", "origin")
 
   def __init__(self, exprs, dtype, value):
     self.exprs, self.dtype, self.value = exprs, dtype, value
     self.proven = False
     self.placed = None  # (value, the runtime's scalar holding it)
     self.origin = None  # the capture's constant entry (handle, scalar) it was matched from
-    self._compiled = (
-      None,
-      None,
-    )  # (exprs, hyper_compile.compiled(exprs)): made again if exprs change
 
   def names(self):
     """The hyperparameters the input is made of, as "'lr', 'betas'[0]"."""
@@ -47,12 +44,7 @@ class Input:
     key = (id(self.exprs), self.dtype)
     if memo is not None and key in memo:
       return memo[key]
-    exprs, fn = self._compiled
-    if exprs is not self.exprs:
-      fn = compiled(self.exprs)
-      self._compiled = (self.exprs, fn)
-    dtype = self.dtype
-    values = {_cast(v, dtype) for v in fn(groups)}
+    values = {_cast(evaluate(e, groups), self.dtype) for e in self.exprs}
     value = values.pop() if len(values) == 1 else None
     if memo is not None:
       memo[key] = value

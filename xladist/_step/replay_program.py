@@ -95,8 +95,9 @@ class CapturedProgram:
   guards: tuple = ()  # (expression, value): the host decisions of the trace (hyper.py)
   donate: tuple = ()  # positions of the inputs a run gives up (`donated`)
   host_reads: bool = False  # whether its guards or hyperparameters read host tensors
-  # what = (the tuple it was made from, hyper_compile.compiled of its expressions), per
-  # "counters" / "guards": made again when the capture's tuple is replaced
+  # "counters" / "guards" -> (the tuple it was made from, hyper_compile.compiled of its
+  # expressions), "hypers" -> (the inputs, their candidates, hyper_inputs.evaluator):
+  # each made again when what it was made from is replaced
   evaluators: dict = dataclasses.field(default_factory=dict)
   restamp: list = dataclasses.field(init=False)  # the sync-on-read variables it writes
 
@@ -226,20 +227,24 @@ def advance_host_scalars(prog):
   (hyper.py): every new value first, then every write."""
   if not prog.counters:
     return
-  evaluate = _evaluator(prog, "counters", [expr for _, _, expr in prog.counters])
+  evaluate = _evaluator(prog, "counters")
   with _runtime.host_work():
     new = evaluate(prog.groups)
     for (state, key, _), value in zip(prog.counters, new):
       state[key].fill_(value)
 
 
-def _evaluator(prog, what, exprs):
-  """hyper_compile.compiled(exprs) for the capture's `what` (its tuple, "counters" or
-  "guards"), made once per tuple."""
+_EXPRESSION_AT = {"counters": 2, "guards": 0}  # where each entry of the tuple has it
+
+
+def _evaluator(prog, what):
+  """hyper_compile.compiled of the expressions of the capture's `what` ("counters":
+  (state, key, expression), or "guards": (expression, value)), made once per tuple."""
   made = prog.evaluators.get(what)
   source = getattr(prog, what)
   if made is None or made[0] is not source:
-    made = prog.evaluators[what] = (source, compiled(exprs))
+    at = _EXPRESSION_AT[what]
+    made = prog.evaluators[what] = (source, compiled([entry[at] for entry in source]))
   return made[1]
 
 
@@ -249,7 +254,7 @@ def _guards_fail(prog):
   if not guards:
     return None
   try:
-    now = _evaluator(prog, "guards", [expr for expr, _ in guards])(prog.groups)
+    now = _evaluator(prog, "guards")(prog.groups)
     if all(a == result for a, (_, result) in zip(now, guards)):
       return None
   except (ArithmeticError, ValueError):

@@ -463,7 +463,7 @@ def _module_entries(store):
   """{label: entry} of the store's modules, as `_module_walk` gives them: the last
   walk's when its checker finds every read the same, else walked again."""
   cached = _MODULE_ENTRIES.get(store)
-  if cached is not None and cached.same is not None and cached.same():
+  if cached is not None and cached.same is not None and cached.same(store):
     return cached.entries
   entries = {}
   _module_walk(store, entries)
@@ -475,32 +475,27 @@ def _module_entries(store):
 
 
 def _module_checker(store, entries):
-  """`same()`: whether `_module_walk(store)` would give `entries` now. It reads what
-  the walk reads: the module tree's structure count and the store's list of modules
-  (weakly: a checker keeps no module alive), each tensor's shape, dtype, sharding,
-  requires_grad and gradient, and each module's public attributes (the same names,
-  the plain ones equal, the others still not plain)."""
-  env = {
-    "ST": _STRUCTURE,
-    "store": store,
-    "M": _MISSING,
-    "S": _runtime.sharding_spec,
-    "PLAIN": _PLAIN,
-  }
+  """`same(store)`: whether `_module_walk(store)` would give `entries` now. It reads
+  what the walk reads: the module tree's structure count and the store's list of
+  modules, each tensor's shape, dtype, sharding, requires_grad and gradient, and each
+  module's public attributes (the same names, the plain ones equal, the others still
+  not plain). It holds neither the store nor a module (by identity number: a module
+  made since registers its parameters, which moves the structure count)."""
+  env = {"ST": _STRUCTURE, "M": _MISSING, "S": _runtime.sharding_spec, "PLAIN": _PLAIN}
   modules, layout = _layout(store)
   refs = store._modules
   lines = [
-    "def same():",
-    f"  if ST[0] != {_STRUCTURE[0]} or store._modules is not R or len(R) != {len(refs)}:",
+    "def same(store):",
+    "  R = store._modules",
+    f"  if ST[0] != {_STRUCTURE[0]} or len(R) != {len(refs)}:",
     "    return False",
   ]
-  env["R"] = refs
   alive = [i for i, r in enumerate(refs) if r() is not None]
   if [refs[i]() for i in alive] != modules:
-    return lambda: False  # (the store's list changed while it was read)
+    return lambda store: False  # (the store's list changed while it was read)
   for n, (i, module, (_, tensors, _)) in enumerate(zip(alive, modules, layout)):
     lines.append(f"  m = R[{i}]()")
-    lines.append("  if m is None:")
+    lines.append(f"  if m is None or id(m) != {id(module)}:")
     lines.append("    return False")
     if tensors:
       lines.append("  P, B = m._parameters, m._buffers")

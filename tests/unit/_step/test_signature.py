@@ -357,7 +357,7 @@ def test_the_modules_part_is_checked_and_follows_every_change(monkeypatch):
   for _ in range(3):
     assert sig._module_entries(store) == _walked(store)
   cached = sig._MODULE_ENTRIES[store]
-  assert cached.same is not None and cached.same()
+  assert cached.same is not None and cached.same(store)
   assert sig._module_entries(store) is cached.entries  # not walked
 
   lin, bn = model[0], model[1]
@@ -390,3 +390,19 @@ def test_the_modules_part_is_checked_and_follows_every_change(monkeypatch):
   store._modules = list(store._modules)
   assert sig._module_entries(store) == _walked(store)
   assert list(sig._module_entries(store)) == list(_walked(store))  # in the walk's order
+
+
+def test_the_modules_check_keeps_no_store_alive():
+  """The cache is weak in the store: its checker must not hold the store either."""
+  import gc
+  import weakref
+
+  model = torch.nn.Linear(2, 2)
+  store = _Store(model)
+  for _ in range(3):
+    sig._module_entries(store)
+  assert sig._MODULE_ENTRIES[store].same is not None
+  ref = weakref.ref(store)
+  del store
+  gc.collect()
+  assert ref() is None
